@@ -1,0 +1,110 @@
+"""Per-token log-probs of completions and masked aggregation of per-token losses.
+
+Batch layout used by every script: each row is [left-padded prompt | completion,
+right-padded], so the prompt always ends at column P and completion token j sits at
+column P + j. `completion_mask` marks real completion tokens (EOS included).
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     num_completion_tokens: int, temperature: float = 1.0,
+                     with_entropy: bool = False):
+    """log pi(y_t | x, y_<t) for the last `num_completion_tokens` columns of each row.
+
+    The logit at position t predicts the token at t+1, so the C completion tokens are
+    scored by the logits at columns P-1 .. P+C-2. Only those C logit rows are computed
+    (logits_to_keep), and they are divided by the sampling temperature first: the policy
+    that generated the data is softmax(logits / T). Position ids count real tokens only,
+    so left padding does not shift positions (vLLM starts every prompt at position 0).
+    Returns [B, C] log-probs (and [B, C] entropies, detached, if asked)."""
+    C = num_completion_tokens
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=C + 1, use_cache=False).logits[:, :-1].float()
+    logits = logits / temperature
+    targets = input_ids[:, -C:]
+    log_z = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z
+    if not with_entropy:
+        return logprobs
+    with torch.no_grad():
+        probs = torch.softmax(logits, dim=-1)
+        entropy = log_z - (probs * logits).sum(-1)
+    return logprobs, entropy
+
+
+@torch.no_grad()
+def batched_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     num_completion_tokens: int, temperature: float, micro_batch_size: int,
+                     autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """forward_logprobs without gradients, one micro-batch of logits at a time."""
+    out = []
+    for i in range(0, input_ids.shape[0], micro_batch_size):
+        with torch.autocast(input_ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            out.append(forward_logprobs(model, input_ids[i:i + micro_batch_size],
+                                        attention_mask[i:i + micro_batch_size],
+                                        num_completion_tokens, temperature))
+    return torch.cat(out)
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str,
+              num_tokens: float | torch.Tensor | None = None, num_seqs: int | None = None,
+              max_tokens: int | None = None) -> torch.Tensor:
+    """Reduce per-token values [B, C] to a scalar over the tokens where mask is 1.
+
+    token-mean               sum_i,t v / (number of tokens)                    (DAPO)
+    seq-mean-token-mean      mean_i ( sum_t v / |y_i| )                        (GRPO paper)
+    seq-mean-token-sum       mean_i ( sum_t v )
+    seq-mean-token-sum-norm  mean_i ( sum_t v / max_tokens )                   (Dr. GRPO)
+
+    Under gradient accumulation pass the minibatch's totals as num_tokens and num_seqs:
+    each micro-batch then contributes its exact share, and the summed gradients equal
+    the gradient of one pass over the whole minibatch."""
+    mask = mask.to(values.dtype)
+    num_tokens = mask.sum() if num_tokens is None else num_tokens
+    num_seqs = mask.shape[0] if num_seqs is None else num_seqs
+    token_sums = (values * mask).sum(-1)
+    if mode == "token-mean":
+        # max(., 1): a minibatch whose completions are all masked out gives 0, not NaN
+        return token_sums.sum() / max(float(num_tokens), 1.0)
+    if mode == "seq-mean-token-mean":
+        return (token_sums / mask.sum(-1).clamp(min=1)).sum() / num_seqs
+    if mode == "seq-mean-token-sum":
+        return token_sums.sum() / num_seqs
+    if mode == "seq-mean-token-sum-norm":
+        if max_tokens is None:
+            raise ValueError("seq-mean-token-sum-norm needs max_tokens (e.g. max_new_tokens)")
+        return token_sums.sum() / (max_tokens * num_seqs)
+    raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of values over mask (0 for an empty mask), for metrics."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def make_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_token_id: int,
+               device: str | torch.device):
+    """Pad rollouts into the [left-padded prompt | right-padded completion] layout.
+
+    Returns input_ids [B, P+C], attention_mask [B, P+C] and completion_mask [B, C], where
+    C is the longest completion. Padding is found by position, never by token id, so an
+    EOS that ends a completion stays in the mask even when pad and EOS share an id."""
+    P = max(len(p) for p in prompt_ids)
+    C = max(1, max(len(c) for c in completion_ids))
+    B = len(prompt_ids)
+    input_ids = torch.full((B, P + C), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, P + C), dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        input_ids[i, P - len(p):P] = torch.tensor(p)
+        input_ids[i, P:P + len(c)] = torch.tensor(c, dtype=torch.long)
+        attention_mask[i, P - len(p):P + len(c)] = 1
+    completion_mask = attention_mask[:, P:].clone()
+    return input_ids.to(device), attention_mask.to(device), completion_mask.to(device)

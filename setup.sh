@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Create .venv and install the GPU set (requirements.txt) when an NVIDIA GPU is present,
+# the CPU set (requirements-cpu.txt) otherwise. Re-running is cheap: it reinstalls only
+# when the chosen requirements file changed. Override the choice with RL_LM_DEVICE=cpu|cuda.
+set -euo pipefail
+cd "$(dirname "$0")"
+device="${RL_LM_DEVICE:-}"
+if [ -z "$device" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then device=cuda; else device=cpu; fi
+fi
+case "$device" in
+  cuda) reqs=requirements.txt ;;
+  cpu) reqs=requirements-cpu.txt ;;
+  *) echo "setup.sh: RL_LM_DEVICE must be cpu or cuda, got '$device'" >&2; exit 2 ;;
+esac
+python=${PYTHON:-python3}
+stamp=.venv/.installed-$(sha256sum "$reqs" | cut -c1-16)
+if [ -f "$stamp" ]; then
+  echo "setup.sh: .venv is up to date ($reqs)"
+  exit 0
+fi
+echo "setup.sh: installing $reqs into .venv ($device)"
+[ -d .venv ] || "$python" -m venv .venv
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet -r "$reqs"
+if [ "$device" = cpu ]; then
+  .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+fi
+.venv/bin/python -c "import torch, transformers, vllm; print('setup.sh: torch', torch.__version__, \
+'| transformers', transformers.__version__, '| vllm', vllm.__version__)"
+rm -f .venv/.installed-*
+touch "$stamp"

@@ -1,0 +1,114 @@
+"""Log-probs of completion tokens and the four loss aggregations, against direct computations."""
+
+import pytest
+import torch
+
+from common.ops import aggregate, batched_logprobs, forward_logprobs, make_batch
+
+
+def reference_logprobs(model, ids: list[int], num_completion: int, temperature: float) -> torch.Tensor:
+    """Unpadded, full logits of the whole sequence, log_softmax(logits / T), shifted by hand."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    P = len(ids) - num_completion
+    # token at position t is predicted by the logits at position t - 1
+    return torch.stack([logp[t - 1, ids[t]] for t in range(P, len(ids))])
+
+
+def test_logprobs_match_full_log_softmax_with_padding_on_both_sides(tiny_policy, tokenizer):
+    prompts = [tokenizer("sort 52813:")["input_ids"], tokenizer("sort 91:")["input_ids"]]
+    completions = [tokenizer("12358")["input_ids"] + [tokenizer.eos_token_id], tokenizer("19")["input_ids"]]
+    input_ids, attention_mask, completion_mask = make_batch(prompts, completions, tokenizer.pad_token_id, "cpu")
+    # row 1 is padded on the left (shorter prompt) and on the right (shorter completion)
+    assert attention_mask[1, 0] == 0 and attention_mask[1, -1] == 0
+    assert completion_mask.tolist() == [[1] * 6, [1, 1, 0, 0, 0, 0]]
+    T = 0.7
+    logprobs = forward_logprobs(tiny_policy, input_ids, attention_mask, completion_mask.shape[1], T)
+    for row, (p, c) in enumerate(zip(prompts, completions)):
+        expected = reference_logprobs(tiny_policy, p + c, len(c), T)
+        torch.testing.assert_close(logprobs[row, :len(c)], expected, atol=1e-5, rtol=1e-5)
+    # temperature matters: T = 1 gives different numbers
+    assert not torch.allclose(forward_logprobs(tiny_policy, input_ids, attention_mask, 6, 1.0), logprobs)
+
+
+def test_position_shift_on_hand_made_sequence():
+    """A fake model whose logits at position t put all mass on token (input_t + 1) % V:
+    with the right shift every completion token of a counting sequence has log-prob ~0."""
+    V = 10
+
+    class Counter(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0, use_cache=False):
+            logits = torch.nn.functional.one_hot((input_ids + 1) % V, V).float() * 50.0
+            if logits_to_keep:
+                logits = logits[:, -logits_to_keep:]
+            return type("Out", (), {"logits": logits})()
+
+    input_ids = torch.tensor([[0, 3, 4, 5, 6, 7]])  # prompt [0, 3, 4], completion [5, 6, 7]
+    logprobs = forward_logprobs(Counter(), input_ids, torch.ones_like(input_ids), 3)
+    assert torch.allclose(logprobs, torch.zeros(1, 3), atol=1e-6)
+    # an off-by-one (scoring token t with the logits at t) would give -50 everywhere
+    wrong = torch.tensor([[0, 3, 4, 4, 4, 4]])
+    assert (forward_logprobs(Counter(), wrong, torch.ones_like(wrong), 3)[0, 1:] < -40).all()
+
+
+def test_batched_logprobs_equal_single_pass(tiny_policy, tokenizer):
+    prompts = [tokenizer(f"sort {d}:")["input_ids"] for d in ["123", "98765", "4", "55555555"]]
+    completions = [tokenizer(s)["input_ids"] for s in ["123", "5678", "4", "5"]]
+    input_ids, attention_mask, completion_mask = make_batch(prompts, completions, tokenizer.pad_token_id, "cpu")
+    with torch.no_grad():
+        full = forward_logprobs(tiny_policy, input_ids, attention_mask, completion_mask.shape[1])
+    chunked = batched_logprobs(tiny_policy, input_ids, attention_mask, completion_mask.shape[1], 1.0, 3)
+    torch.testing.assert_close(chunked * completion_mask, full * completion_mask, atol=1e-5, rtol=1e-5)
+
+
+VALUES = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 0.0, 0.0]])
+MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("token-mean", (1 + 2 + 3 + 10 + 20) / 5),                  # 7.2
+    ("seq-mean-token-mean", ((1 + 2 + 3) / 3 + (10 + 20) / 2) / 2),  # 8.5
+    ("seq-mean-token-sum", ((1 + 2 + 3) + (10 + 20)) / 2),       # 18
+    ("seq-mean-token-sum-norm", ((1 + 2 + 3) / 4 + (10 + 20) / 4) / 2),  # 4.5 with max_tokens = 4
+])
+def test_aggregation_modes_hand_computed(mode, expected):
+    assert aggregate(VALUES, MASK, mode, max_tokens=4).item() == pytest.approx(expected)
+
+
+def test_aggregation_of_fully_masked_batch_is_zero_not_nan():
+    for mode in ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]:
+        out = aggregate(VALUES, torch.zeros_like(MASK), mode, max_tokens=4)
+        assert out.item() == 0.0
+
+
+def test_unknown_aggregation_mode():
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        aggregate(VALUES, MASK, "mean")
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_micro_batched_gradient_equals_full_batch_gradient(mode):
+    """Accumulating micro-batch losses normalized by minibatch totals == one big batch."""
+    torch.manual_seed(0)
+    B, C = 6, 5
+    weight = torch.randn(C, requires_grad=True)
+    x = torch.randn(B, C)
+    mask = (torch.rand(B, C) > 0.3).long()
+    mask[0] = 0  # include a fully masked sequence
+
+    def per_token(rows):
+        return (x[rows] * weight) ** 2
+
+    full = aggregate(per_token(slice(None)), mask, mode, max_tokens=C)
+    (g_full,) = torch.autograd.grad(full, weight)
+    num_tokens, num_seqs = mask.sum(), B
+    g_acc = torch.zeros_like(weight)
+    for rows in [slice(0, 2), slice(2, 5), slice(5, 6)]:  # uneven micro-batches
+        loss = aggregate(per_token(rows), mask[rows], mode, num_tokens, num_seqs, max_tokens=C)
+        g_acc += torch.autograd.grad(loss, weight)[0]
+    torch.testing.assert_close(g_acc, g_full)
+    # normalizing by the micro-batch's own counts instead gives a different gradient
+    g_naive = sum(torch.autograd.grad(aggregate(per_token(r), mask[r], mode, max_tokens=C), weight)[0]
+                  for r in [slice(0, 2), slice(2, 5), slice(5, 6)])
+    assert not torch.allclose(g_naive, g_full)

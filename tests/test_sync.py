@@ -1,0 +1,59 @@
+"""Weight sync into the in-process vLLM engine: after a sync vLLM scores tokens exactly as
+the trainer does; without one it keeps the old weights."""
+
+import torch
+from vllm import SamplingParams
+
+from common.models import engine_model, sync_weights
+from common.ops import forward_logprobs, make_batch
+
+
+def vllm_prompt_logprobs(llm, ids: list[int]) -> torch.Tensor:
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    return torch.tensor([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
+
+
+def trainer_logprobs(model, ids: list[int]) -> torch.Tensor:
+    input_ids, attention_mask, _ = make_batch([ids[:1]], [ids[1:]], 0, "cpu")
+    with torch.no_grad():
+        return forward_logprobs(model, input_ids, attention_mask, len(ids) - 1)[0]
+
+
+def test_sync_makes_vllm_match_the_trainer(llm, tiny_policy, tokenizer):
+    ids = tokenizer("sort 52813:12358")["input_ids"] + [tokenizer.eos_token_id]
+    sync_weights(llm, tiny_policy)  # the session engine may have been used by other tests
+    assert (vllm_prompt_logprobs(llm, ids) - trainer_logprobs(tiny_policy, ids)).abs().max() < 1e-4
+
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in tiny_policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    before_sync = (vllm_prompt_logprobs(llm, ids) - trainer_logprobs(tiny_policy, ids)).abs().max()
+    assert before_sync > 0.1, "perturbing the trainer must change its log-probs"
+
+    sync_weights(llm, tiny_policy)
+    after_sync = (vllm_prompt_logprobs(llm, ids) - trainer_logprobs(tiny_policy, ids)).abs().max()
+    assert after_sync < 1e-4
+
+
+def test_sync_changes_what_vllm_generates(llm, tiny_policy, tokenizer):
+    """Greedy outputs follow the synced weights (the prefix cache must not serve stale KV)."""
+    prompt = tokenizer("sort 9876:")["input_ids"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    sync_weights(llm, tiny_policy)
+    llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)  # fills the prefix cache
+    # make the trainer always emit "7": bias the tied embedding/unembedding towards that token
+    seven = tokenizer("7")["input_ids"][0]
+    with torch.no_grad():
+        tiny_policy.lm_head.weight[seven] *= 0
+        tiny_policy.lm_head.weight[seven] += 50 * tiny_policy.model.norm.weight.sign()
+    sync_weights(llm, tiny_policy)
+    text = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0].outputs[0].text
+    assert text == "777777"
+
+
+def test_engine_keeps_plain_cpu_weights(llm):
+    """The CPU patch keeps ordinary weights in the engine (vLLM would pack and empty them)."""
+    qkv = engine_model(llm).model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.numel() > 0

@@ -1,0 +1,48 @@
+"""The task registry and the bundled sort task."""
+
+import math
+
+import pytest
+
+from common.tasks import Task, encode_prompts, load_task, make_sort_task, sort_reward
+from common.utils import ConfigError
+
+
+def test_sort_task_is_deterministic_and_held_out():
+    a, b = make_sort_task(seed=0), make_sort_task(seed=0)
+    assert a.train[:50] == b.train[:50] and a.eval == b.eval
+    assert make_sort_task(seed=1).eval != a.eval
+    eval_prompts = {e["prompt"] for e in a.eval}
+    assert len(eval_prompts) == len(a.eval)
+    assert not eval_prompts & {e["prompt"] for e in a.train}
+
+
+def test_sort_examples_and_reward():
+    ex = {"prompt": "sort 52813:", "answer": "12358"}
+    assert sort_reward("12358", ex) == 1.0
+    assert sort_reward(" 12358 ", ex) == 1.0
+    assert sort_reward("12385", ex) == 0.0
+    assert sort_reward("", ex) == 0.0
+    task = make_sort_task(seed=0)
+    for e in task.train[:100]:
+        digits = e["prompt"][len("sort "):-1]
+        assert e["answer"] == "".join(sorted(digits)) and 3 <= len(digits) <= 8
+
+
+def test_unknown_task_lists_known_tasks():
+    with pytest.raises(ConfigError, match=r"unknown task 'nope'; known tasks: .*sort"):
+        load_task("nope")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), math.inf, "1", None, True])
+def test_reward_that_is_not_a_finite_number_is_an_error(bad):
+    task = Task("bad", [], [], lambda completion, example: bad)
+    with pytest.raises(ConfigError, match="reward function returned"):
+        task.reward("x", {})
+
+
+def test_tokenizer_is_character_level(tokenizer):
+    ids = encode_prompts(tokenizer, ["sort 52813:"])[0]
+    assert len(ids) == len("sort 52813:")
+    assert tokenizer.decode(ids) == "sort 52813:"
+    assert tokenizer.eos_token_id != tokenizer.pad_token_id
