@@ -58,7 +58,7 @@ class Args:
     """distinct prompts sampled per step"""
     completions_per_prompt: int = 8
     """G: completions per prompt, the group that defines the baseline"""
-    max_new_tokens: int = 16
+    max_new_tokens: int = 12
     temperature: float = 1.0
     """sampling temperature; log-probs are computed from logits / temperature to match"""
 

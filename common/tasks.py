@@ -42,14 +42,8 @@ def sort_prompt(digits: str) -> str:
 
 
 def sort_reward(completion: str, example: dict) -> float:
-    """1 for exactly the sorted digits (surrounding spaces ignored); otherwise partial credit,
-    at most 0.5: half the fraction of positions that hold the right digit, over the longer of
-    the two strings (so missing or extra digits cost). Accuracy counts only reward 1."""
-    got, want = completion.strip(), example["answer"]
-    if got == want:
-        return 1.0
-    matches = sum(a == b for a, b in zip(got, want))
-    return 0.5 * matches / max(len(got), len(want))
+    """1 if the completion is exactly the sorted digits (surrounding spaces ignored), else 0."""
+    return 1.0 if completion.strip() == example["answer"] else 0.0
 
 
 def make_sort_task(seed: int = 0, num_train: int = 20000, num_eval: int = 200,

@@ -2,9 +2,17 @@
 warm-started by supervised training on the sort task so that RL starts from a model
 that is sometimes right (held-out greedy accuracy between 10% and 50%), as after SFT.
 
+The demonstrations mix two styles, as SFT data often does: a fraction of the lists is
+sorted ascending (what the task rewards), the rest descending. The model learns to sort,
+but mostly in the unrewarded direction; RL has to discover and reinforce the rewarded
+behaviour, which it can do in minutes on a CPU. (Measured alternative: the same model
+trained on ascending demonstrations only, stopped at 33% held-out accuracy after 50 steps,
+has a flat sampling distribution whose failures are mostly on long lists; GRPO raised it
+only from 0.33 to 0.47 in 180 steps.)
+
     python scripts/make_tiny_model.py            # writes models/tiny-sort/
 
-Seeded and deterministic on one CPU thread; takes about a minute.
+Seeded and deterministic on one CPU thread; takes a few minutes.
 """
 
 from __future__ import annotations
@@ -35,10 +43,10 @@ class Args:
     num_heads: int = 2
     lr: float = 1e-3
     batch_size: int = 64
-    max_sft_steps: int = 3000
-    eval_every: int = 25
-    target_accuracy: float = 0.25
-    """stop supervised training at the first eval whose held-out accuracy reaches this"""
+    sft_steps: int = 600
+    ascending_fraction: float = 0.4
+    """fraction of demonstrations sorted ascending (the task); the rest are descending"""
+    eval_every: int = 100
 
 
 def make_tokenizer() -> Qwen2Tokenizer:
@@ -79,11 +87,13 @@ def main(args: Args) -> None:
     g = torch.Generator().manual_seed(args.seed)
     tokenizer.padding_side = "right"
     accuracy = greedy_accuracy(model.eval(), tokenizer, task.eval)
-    for step in range(1, args.max_sft_steps + 1):
+    for step in range(1, args.sft_steps + 1):
         model.train()
         idx = torch.randint(len(task.train), (args.batch_size,), generator=g).tolist()
+        ascending = (torch.rand(args.batch_size, generator=g) < args.ascending_fraction).tolist()
         prompts = [task.train[i]["prompt"] for i in idx]
-        texts = [task.train[i]["prompt"] + task.train[i]["answer"] + EOS for i in idx]
+        answers = [task.train[i]["answer"] if up else task.train[i]["answer"][::-1] for i, up in zip(idx, ascending)]
+        texts = [p + a + EOS for p, a in zip(prompts, answers)]
         tokenizer.padding_side = "right"
         batch = tokenizer(texts, return_tensors="pt", padding=True)
         labels = batch["input_ids"].clone()
@@ -97,11 +107,11 @@ def main(args: Args) -> None:
         if step % args.eval_every == 0:
             accuracy = greedy_accuracy(model.eval(), tokenizer, task.eval)
             print(f"sft step {step}: loss {loss.item():.3f}, held-out greedy accuracy {accuracy:.3f}")
-            if accuracy >= args.target_accuracy:
-                break
     os.makedirs(args.output_dir, exist_ok=True)
     model.save_pretrained(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)
+    if not 0.1 <= accuracy <= 0.5:
+        print(f"warning: held-out accuracy {accuracy:.3f} is outside [0.1, 0.5]; adjust --ascending-fraction")
     print(f"saved {args.output_dir}: {sum(p.numel() for p in model.parameters())} parameters, "
           f"{step} SFT steps, held-out greedy accuracy {accuracy:.3f}")
 
