@@ -226,10 +226,7 @@ def main(args: Args) -> None:
             # ---------------------------------------------------------------- 2. reward
             rewards = torch.tensor([task.reward(c.text, examples[i // G]) for i, c in enumerate(completions)])
 
-            # ---------------------------------------------------------------- 3. advantage
-            advantages = compute_advantages(rewards, G, args.scale_rewards).to(device)
-
-            # ---------------------------------------------------------------- 4. old / ref log-probs
+            # ---------------------------------------------------------------- 3. old / ref log-probs
             with timed(times, "logprobs"):
                 input_ids, attention_mask, completion_mask = make_batch(
                     [p for p in prompt_ids for _ in range(G)], [list(c.token_ids) for c in completions],
@@ -249,6 +246,9 @@ def main(args: Args) -> None:
                 for i, c in enumerate(completions):
                     vllm_logprobs[i, :len(c.token_ids)] = torch.tensor(
                         [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+
+            # ---------------------------------------------------------------- 4. advantage
+            advantages = compute_advantages(rewards, G, args.scale_rewards).to(device)
 
             # ---------------------------------------------------------------- 5. update
             with timed(times, "train"):

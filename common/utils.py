@@ -33,15 +33,15 @@ def need(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def check_args(args, max_context: int, max_prompt_len: int) -> None:
+def check_args(args, max_context: int, max_prompt_len: int, min_completions: int = 2) -> None:
     """One clear line for each bad value of the fields every script shares."""
 
     need(args.steps > 0, f"--steps must be positive, got {args.steps}")
     need(args.lr > 0 and math.isfinite(args.lr), f"--lr must be positive, got {args.lr}")
     need(args.prompts_per_step > 0, f"--prompts-per-step must be positive, got {args.prompts_per_step}")
-    need(args.completions_per_prompt >= 2,
-         f"--completions-per-prompt must be >= 2 (group baselines compare completions of one "
-         f"prompt), got {args.completions_per_prompt}")
+    need(args.completions_per_prompt >= min_completions,
+         f"--completions-per-prompt must be >= {min_completions} (a group baseline compares the "
+         f"completions of one prompt), got {args.completions_per_prompt}")
     need(args.max_new_tokens > 0, f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     need(max_prompt_len + args.max_new_tokens <= max_context,
          f"--max-new-tokens {args.max_new_tokens} plus the longest prompt ({max_prompt_len} tokens) "
@@ -50,11 +50,12 @@ def check_args(args, max_context: int, max_prompt_len: int) -> None:
     need(args.micro_batch_size > 0, f"--micro-batch-size must be positive, got {args.micro_batch_size}")
     need(args.max_grad_norm > 0, f"--max-grad-norm must be positive, got {args.max_grad_norm}")
     need(args.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {args.warmup_steps}")
-    batch = args.prompts_per_step * args.completions_per_prompt
-    need(args.num_minibatches > 0 and batch % args.num_minibatches == 0,
-         f"--num-minibatches {args.num_minibatches} must divide the rollout batch "
-         f"(prompts_per_step x completions_per_prompt = {batch})")
-    need(args.num_epochs > 0, f"--num-epochs must be positive, got {args.num_epochs}")
+    if hasattr(args, "num_minibatches"):  # scripts that reuse a rollout batch for several updates
+        batch = args.prompts_per_step * args.completions_per_prompt
+        need(args.num_minibatches > 0 and batch % args.num_minibatches == 0,
+             f"--num-minibatches {args.num_minibatches} must divide the rollout batch "
+             f"(prompts_per_step x completions_per_prompt = {batch})")
+        need(args.num_epochs > 0, f"--num-epochs must be positive, got {args.num_epochs}")
 
 
 def seed_everything(seed: int) -> None:

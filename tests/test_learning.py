@@ -1,16 +1,23 @@
-"""Learning that actually happens: a short default GRPO run on the sort task raises held-out
-greedy accuracy far above its start."""
+"""Learning that actually happens: a short run of each script on the default sort task
+raises held-out greedy accuracy far above its start (measured 0.22 -> 0.9+ at seed 0)."""
 
-from tests.test_grpo_e2e import read_metrics, run_script
+import pytest
+
+from tests.test_grpo_e2e import STEP_METRICS, read_metrics, run_script
 
 
-def test_grpo_learns_the_default_task(tmp_path):
+@pytest.mark.parametrize("script", ["grpo.py", "gspo.py", "cispo.py", "reinforce.py", "rloo.py"])
+def test_script_learns_the_default_task(script, tmp_path):
     out = tmp_path / "run"
-    r = run_script("grpo.py", "--steps", "10", "--eval-every", "10", "--output-dir", str(out))
+    r = run_script(script, "--steps", "10", "--eval-every", "10", "--output-dir", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = read_metrics(out)
+    # the same metric names in every script (clip fraction only where there is clipping)
+    expected = [k for k in STEP_METRICS if script not in ("reinforce.py", "rloo.py") or k != "policy/clip_frac"]
+    assert all(k in metrics[1] for k in expected), sorted(metrics[1])
     start, end = metrics[0]["eval/accuracy"], metrics[-1]["eval/accuracy"]
-    # measured 0.22 -> 0.96 at seed 0; a 0.3 margin cannot be reached by noise of 200 prompts
+    # a 0.3 margin cannot be reached by the noise of 200 held-out prompts
     assert start < 0.5 and end >= start + 0.3, (start, end)
     rewards = [m["reward/mean"] for m in metrics[1:]]
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards
+    # step 1's rollout is sampled before any update: the initial policy's mean reward
+    assert sum(rewards[-3:]) / 3 > rewards[0] + 0.3, rewards

@@ -1,0 +1,335 @@
+"""GSPO: Group Sequence Policy Optimization (Zheng et al. 2025, Qwen, arXiv:2507.18071).
+
+GRPO's group-normalized advantages, but one importance ratio per sequence instead of one
+per token: the geometric mean of the token ratios over the completion,
+
+    s_i = (pi(y_i | x) / pi_old(y_i | x)) ^ (1 / |y_i|) = exp( mean_t (logp_t - old_logp_t) )
+    A_i = (R_i - mean_j R_j) / (std_j R_j + eps)          (--no-scale-rewards: no std)
+
+and the clipped surrogate is applied per sequence, averaged over sequences:
+
+    L = mean_i [ -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i) ] + beta * agg_{i,t} KL_t
+    KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1     (the k3 estimator; the paper uses none)
+
+A sequence is kept or clipped as a whole, so one outlier token can't dominate. s_i moves
+much less than a token ratio: the paper's ranges are tiny (eps_low 3e-4, eps_high 4e-4).
+--loss-agg applies to the KL term only. Each rollout batch is reused for num_epochs x
+num_minibatches optimizer steps, so s_i moves away from 1 and the clipping matters.
+"""
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: weight sync is a copy
+
+import json
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import tyro
+from tqdm import tqdm
+from vllm import SamplingParams
+
+from common.models import check_model, create_engine, frozen_copy, load_policy, load_tokenizer, sync_weights
+from common.ops import aggregate, batched_logprobs, forward_logprobs, make_batch, masked_mean
+from common.tasks import encode_prompts, load_task
+from common.utils import (ConfigError, GracefulInterrupt, MetricsLogger, check_args, evaluate,
+                          load_checkpoint, need, peak_memory_gib, save_checkpoint, seed_everything, timed)
+
+
+@dataclass
+class Args:
+    # experiment
+    model: str = "models/tiny-sort"
+    """hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct) or local folder of the initial policy"""
+    task: str = "sort"
+    """task name from common/tasks.py"""
+    seed: int = 0
+    steps: int = 100
+    """rollout-and-update iterations"""
+    output_dir: str | None = None
+    """where metrics, checkpoints and the final model go (default: runs/gspo__TASK__SEED__TIME)"""
+
+    # rollout
+    prompts_per_step: int = 32
+    """distinct prompts sampled per step"""
+    completions_per_prompt: int = 8
+    """G: completions per prompt, the group that defines the baseline"""
+    max_new_tokens: int = 12
+    temperature: float = 1.0
+    """sampling temperature; log-probs are computed from logits / temperature to match"""
+
+    # optimization
+    lr: float = 2e-4
+    num_epochs: int = 1
+    """passes over each rollout batch"""
+    num_minibatches: int = 4
+    """optimizer steps per pass over the rollout batch"""
+    micro_batch_size: int = 64
+    """sequences per forward/backward (gradient accumulation within a minibatch)"""
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+    """linear learning-rate warmup, in optimizer steps"""
+    weight_decay: float = 0.0
+
+    # algorithm
+    eps_low: float = 3e-4
+    """lower clip range: the sequence ratio is clipped at 1 - eps_low"""
+    eps_high: float = 4e-4
+    """upper clip range: the sequence ratio is clipped at 1 + eps_high"""
+    kl_coef: float = 0.04
+    """beta, weight of the k3 KL to the reference in the loss; 0 loads no reference model"""
+    scale_rewards: bool = True
+    """divide group-centered rewards by the group std (False: Dr. GRPO)"""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "seq-mean-token-mean")
+    """how the per-token KL is averaged (the surrogate is per sequence, averaged over sequences)"""
+    mask_truncated_completions: bool = False
+    """leave completions that hit max_new_tokens (no EOS) out of the loss"""
+    ref_update_every: int = 0
+    """copy the policy into the reference every N steps (iterative GRPO); 0 never"""
+
+    # infra
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """trainer weight dtype (float32 keeps fp32 master weights)"""
+    bf16_autocast: bool = True
+    """on CUDA, run forward/backward under bfloat16 autocast"""
+    gradient_checkpointing: bool = False
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (weights + KV cache)"""
+    vllm_cpu_kv_cache_gib: int = 1
+    """KV cache size on CPU"""
+    eval_every: int = 10
+    """greedy held-out evaluation every N steps (and at start and end); 0 only at start and end"""
+    save_every: int = 50
+    """checkpoint every N steps; 0 only on Ctrl-C"""
+    resume: str | None = None
+    """checkpoint folder to continue from (runs/.../checkpoints/step_N)"""
+    tensorboard: bool = False
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "rl-lm"
+
+
+def compute_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: bool, eps: float = 1e-4):
+    """A_i = (R_i - mean of its group) [/ (std of its group + eps)], one scalar per completion.
+
+    rewards holds the G completions of each prompt consecutively. A group whose rewards
+    are all equal gets advantage 0 (no signal), never NaN."""
+    grouped = rewards.view(-1, group_size)
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale_rewards:
+        advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
+    return advantages.view(-1)
+
+
+def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args: Args, num_tokens, num_seqs):
+    """The GSPO loss of one micro-batch; [B, C] per-token inputs, advantages [B].
+
+    num_tokens / num_seqs are the minibatch's totals, so accumulated micro-batch losses add
+    up to the minibatch loss. Returns the loss and per-micro-batch statistics."""
+    A = advantages
+    token_mask = mask.to(logprobs.dtype)
+    has_tokens = token_mask.sum(-1) > 0  # a completion masked out entirely contributes nothing
+    log_seq_ratio = ((logprobs - old_logprobs) * token_mask).sum(-1) / token_mask.sum(-1).clamp(min=1)
+    seq_ratio = torch.exp(log_seq_ratio)
+    clipped_ratio = torch.clamp(seq_ratio, 1 - args.eps_low, 1 + args.eps_high)
+    per_seq = -torch.min(seq_ratio * A, clipped_ratio * A) * has_tokens
+    loss = per_seq.sum() / num_seqs
+    stats = {}
+    if ref_logprobs is not None:
+        log_ref_ratio = ref_logprobs - logprobs
+        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
+        loss = loss + args.kl_coef * aggregate(kl, mask, args.loss_agg, num_tokens, num_seqs, args.max_new_tokens)
+        stats["loss/kl"] = masked_mean(kl.detach(), mask)
+    with torch.no_grad():
+        # the clipped term is the smaller one: these sequences get no gradient from the surrogate
+        clipped = ((seq_ratio < 1 - args.eps_low) & (A < 0)) | ((seq_ratio > 1 + args.eps_high) & (A > 0))
+        stats["policy/clip_frac"] = clipped[has_tokens].float().mean() if has_tokens.any() else torch.tensor(0.0)
+        stats["policy/approx_kl"] = masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask)
+    return loss, stats
+
+
+def main(args: Args) -> None:
+    # ---------------------------------------------------------------- setup
+    config = check_model(args.model)
+    task = load_task(args.task, seed=args.seed)
+    tokenizer = load_tokenizer(args.model)
+    max_prompt_len = max(len(p) for p in encode_prompts(tokenizer, [e["prompt"] for e in task.train + task.eval]))
+    check_args(args, max_context=config.max_position_embeddings, max_prompt_len=max_prompt_len)
+    need(0 <= args.eps_low < 1 and args.eps_high >= 0, "--eps-low must be in [0, 1) and --eps-high >= 0")
+    need(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
+    if args.resume is not None:
+        need(os.path.isfile(os.path.join(args.resume, "trainer_state.pt")),
+             f"--resume {args.resume!r} is not a checkpoint folder (no trainer_state.pt)")
+    run_name = f"gspo__{args.task}__{args.seed}__{int(time.time())}"
+    output_dir = args.output_dir or (os.path.dirname(os.path.dirname(os.path.abspath(args.resume)))
+                                     if args.resume else os.path.join("runs", run_name))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    autocast_dtype = torch.bfloat16 if device == "cuda" and args.bf16_autocast else None
+
+    llm = create_engine(args.model, seed=args.seed, max_model_len=max_prompt_len + args.max_new_tokens,
+                        dtype="bfloat16" if device == "cuda" else "float32",
+                        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                        cpu_kv_cache_gib=args.vllm_cpu_kv_cache_gib)
+    seed_everything(args.seed)  # after the engine: in-process vLLM reseeds the global RNGs
+    policy = load_policy(args.resume and os.path.join(args.resume, "policy") or args.model, tokenizer,
+                         args.dtype, device, args.gradient_checkpointing)
+    # the reference is the initial model, also when resuming (unless refreshed, see ref_update_every)
+    ref_model = frozen_copy(load_policy(args.model, tokenizer, args.dtype, device)) if args.kl_coef > 0 else None
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
+    prompt_sampler = torch.Generator().manual_seed(args.seed)
+    start_step = 0
+    if args.resume:
+        state = load_checkpoint(args.resume)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        prompt_sampler.set_state(state["prompt_sampler"])
+        if ref_model is not None and "ref_model" in state:
+            ref_model.load_state_dict(state["ref_model"])
+        start_step = state["step"]
+    sync_weights(llm, policy)  # vLLM loaded args.model; after --resume the policy differs
+    logger = MetricsLogger(output_dir, args, start_step, args.tensorboard, args.track, args.wandb_project)
+
+    def checkpoint(step: int) -> str:
+        path = os.path.join(output_dir, "checkpoints", f"step_{step}")
+        state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                 "prompt_sampler": prompt_sampler.get_state()}
+        if ref_model is not None and args.ref_update_every:
+            state["ref_model"] = ref_model.state_dict()
+        save_checkpoint(path, {"policy": policy}, tokenizer, state)
+        return path
+
+    print(f"gspo: {args.model} on {args.task} ({device}), {args.steps} steps of {args.prompts_per_step} prompts "
+          f"x {args.completions_per_prompt} completions -> {output_dir}")
+    first_eval = evaluate(llm, tokenizer, task, args.max_new_tokens)
+    if start_step == 0:
+        logger.log(0, first_eval)
+    sampling_params = SamplingParams(n=args.completions_per_prompt, temperature=args.temperature,
+                                     max_tokens=args.max_new_tokens, logprobs=0)
+    G, B = args.completions_per_prompt, args.prompts_per_step * args.completions_per_prompt
+    metrics, eval_metrics, t_start = {}, first_eval, time.perf_counter()
+    progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, desc="gspo")
+    with GracefulInterrupt() as interrupt:
+        for step in progress:
+            times = {}
+            t_step = time.perf_counter()
+            # ---------------------------------------------------------------- 1. rollout
+            with timed(times, "rollout"):
+                idx = torch.randint(len(task.train), (args.prompts_per_step,), generator=prompt_sampler).tolist()
+                examples = [task.train[i] for i in idx]
+                prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in examples])
+                outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], sampling_params, use_tqdm=False)
+                completions = [c for out in outputs for c in out.outputs]  # G per prompt, consecutive
+
+            # ---------------------------------------------------------------- 2. reward
+            rewards = torch.tensor([task.reward(c.text, examples[i // G]) for i, c in enumerate(completions)])
+
+            # ---------------------------------------------------------------- 3. old / ref log-probs
+            with timed(times, "logprobs"):
+                input_ids, attention_mask, completion_mask = make_batch(
+                    [p for p in prompt_ids for _ in range(G)], [list(c.token_ids) for c in completions],
+                    tokenizer.pad_token_id, device)
+                truncated = torch.tensor([c.finish_reason == "length" for c in completions], device=device)
+                loss_mask = completion_mask.clone()
+                if args.mask_truncated_completions:
+                    loss_mask[truncated] = 0  # no EOS: we don't know how these would have ended
+                C = completion_mask.shape[1]
+                old_logprobs = batched_logprobs(policy, input_ids, attention_mask, C, args.temperature,
+                                                args.micro_batch_size, autocast_dtype)
+                ref_logprobs = None
+                if ref_model is not None:
+                    ref_logprobs = batched_logprobs(ref_model, input_ids, attention_mask, C, args.temperature,
+                                                    args.micro_batch_size, autocast_dtype)
+                vllm_logprobs = torch.zeros_like(old_logprobs)
+                for i, c in enumerate(completions):
+                    vllm_logprobs[i, :len(c.token_ids)] = torch.tensor(
+                        [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+
+            # ---------------------------------------------------------------- 4. advantage
+            advantages = compute_advantages(rewards, G, args.scale_rewards).to(device)
+
+            # ---------------------------------------------------------------- 5. update
+            with timed(times, "train"):
+                policy.train()
+                step_stats = defaultdict(list)
+                for epoch in range(args.num_epochs):
+                    for mb in torch.randperm(B, device=device).split(B // args.num_minibatches):
+                        num_tokens, num_seqs, mb_loss = loss_mask[mb].sum(), len(mb), 0.0
+                        for micro in mb.split(args.micro_batch_size):
+                            with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                                logprobs, entropy = forward_logprobs(policy, input_ids[micro], attention_mask[micro],
+                                                                     C, args.temperature, with_entropy=True)
+                            loss, stats = compute_loss(
+                                logprobs, old_logprobs[micro], None if ref_logprobs is None else ref_logprobs[micro],
+                                advantages[micro], loss_mask[micro], args, num_tokens, num_seqs)
+                            loss.backward()  # micro-batch losses add up to the minibatch loss
+                            mb_loss += loss.item()
+                            stats["policy/entropy"] = masked_mean(entropy, completion_mask[micro])
+                            for k, v in stats.items():
+                                step_stats[k].append(float(v))
+                        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                        optimizer.step()
+                        scheduler.step()
+                        optimizer.zero_grad(set_to_none=True)
+                        step_stats["loss/total"].append(mb_loss)
+                        step_stats["optim/grad_norm"].append(float(grad_norm))
+                if args.ref_update_every and ref_model is not None and (step + 1) % args.ref_update_every == 0:
+                    ref_model.load_state_dict(policy.state_dict())
+
+            # ---------------------------------------------------------------- 6. sync
+            with timed(times, "sync"):
+                sync_weights(llm, policy)
+
+            # ---------------------------------------------------------------- 7. log / eval / checkpoint
+            times["step"] = time.perf_counter() - t_step
+            metrics = {k: sum(v) / len(v) for k, v in step_stats.items()}
+            metrics.update({
+                "reward/mean": rewards.mean(), "reward/std": rewards.std(),
+                "response/length_mean": completion_mask.sum(1).float().mean(),
+                "response/truncated_frac": truncated.float().mean(),
+                "rollout/logprob_mismatch": masked_mean((vllm_logprobs - old_logprobs).abs(), completion_mask),
+                "optim/lr": scheduler.get_last_lr()[0],
+                **{f"time/{k}": v for k, v in times.items()},
+                "throughput/tokens_per_s": completion_mask.sum() / times["step"],
+                "memory/peak_gib": peak_memory_gib(),
+            })
+            if ref_logprobs is not None:
+                log_ref_ratio = ref_logprobs - old_logprobs
+                metrics["kl/ref"] = masked_mean(torch.exp(log_ref_ratio) - log_ref_ratio - 1, completion_mask)
+            if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.steps:
+                eval_metrics = evaluate(llm, tokenizer, task, args.max_new_tokens)
+                metrics.update(eval_metrics)
+            logger.log(step + 1, metrics)
+            progress.set_postfix(reward=f"{float(metrics['reward/mean']):.3f}",
+                                 eval_acc=f"{eval_metrics['eval/accuracy']:.3f}",
+                                 kl=f"{float(metrics.get('kl/ref', 0.0)):.4f}")
+            if (args.save_every and (step + 1) % args.save_every == 0) or interrupt.requested:
+                path = checkpoint(step + 1)
+                if interrupt.requested:
+                    print(f"saved checkpoint {path}; continue with --resume {path}")
+                    logger.close()
+                    return
+
+    final_dir = os.path.join(output_dir, "final")
+    policy.save_pretrained(final_dir)
+    tokenizer.save_pretrained(final_dir)
+    summary = {"eval/accuracy_start": first_eval["eval/accuracy"] if start_step == 0 else None,
+               "eval/accuracy_end": eval_metrics["eval/accuracy"], "steps": args.steps,
+               "wall_time_s": time.perf_counter() - t_start}
+    with open(os.path.join(output_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    logger.close()
+    print(f"done: held-out accuracy {first_eval['eval/accuracy']:.3f} -> {eval_metrics['eval/accuracy']:.3f}; "
+          f"final model in {final_dir}")
+
+
+if __name__ == "__main__":
+    try:
+        main(tyro.cli(Args))
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
