@@ -6,7 +6,7 @@ import pytest
 from tests.test_grpo_e2e import STEP_METRICS, read_metrics, run_script
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "gspo.py", "cispo.py", "reinforce.py", "rloo.py"])
+@pytest.mark.parametrize("script", ["grpo.py", "gspo.py", "cispo.py", "reinforce.py", "rloo.py", "ppo.py"])
 def test_script_learns_the_default_task(script, tmp_path):
     out = tmp_path / "run"
     r = run_script(script, "--steps", "10", "--eval-every", "10", "--output-dir", str(out))

@@ -1,0 +1,485 @@
+"""PPO for RLHF: a learned critic, GAE and KL-shaped per-token rewards (Schulman et al. 2017,
+arXiv:1707.06347; Ouyang et al. 2022; Huang et al. 2024, "The N+ implementation details of RLHF
+with PPO", arXiv:2403.17031).
+
+Four models: the policy pi, a frozen reference pi_ref, a critic V (a value head on its own
+transformer, initialized from the policy or from a reward model) and the reward: the task's
+verifier, or a sequence-classification reward model (--reward-model). Each completion is an
+episode whose per-token reward is a KL penalty, plus the sequence score R at its last token:
+
+    r_t = -beta * KL_t + [t = T] * (R - missing_eos_penalty * [no EOS])
+    KL_t = old_t - ref_t                                   (k1, at the sampled token)
+
+The advantage is GAE with the critic's values, over completion tokens only (V_{T+1} = 0):
+
+    delta_t = r_t + gamma * V_{t+1} - V_t
+    A_t     = delta_t + gamma * lambda * A_{t+1},     returns_t = A_t + V_t
+
+whitened over the batch's tokens. Policy and critic minimize, over num_epochs x
+num_minibatches updates per rollout batch,
+
+    L = agg_t [ -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t) ]
+        + vf_coef * agg_t [ 0.5 * max((V_t - returns_t)^2, (clip(V_t, V_old_t +- vf_clip) - returns_t)^2) ]
+    r_t = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t)
+
+One AdamW holds two parameter groups (policy at --lr, critic at --critic-lr) and the two
+gradients are clipped separately, so a large value loss never shrinks the policy's step.
+"""
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: weight sync is a copy
+
+import json
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import tyro
+from tqdm import tqdm
+from vllm import SamplingParams
+
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from common.models import DTYPES, check_model, create_engine, frozen_copy, load_policy, load_tokenizer, sync_weights
+from common.ops import aggregate, batched_logprobs, forward_logprobs, make_batch, masked_mean
+from common.tasks import encode_prompts, load_task
+from common.utils import (ConfigError, GracefulInterrupt, MetricsLogger, check_args, evaluate,
+                          load_checkpoint, need, peak_memory_gib, save_checkpoint, seed_everything, timed)
+
+
+@dataclass
+class Args:
+    # experiment
+    model: str = "models/tiny-sort"
+    """hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct) or local folder of the initial policy"""
+    task: str = "sort"
+    """task name from common/tasks.py"""
+    seed: int = 0
+    steps: int = 100
+    """rollout-and-update iterations"""
+    output_dir: str | None = None
+    """where metrics, checkpoints and the final model go (default: runs/ppo__TASK__SEED__TIME)"""
+
+    # rollout
+    prompts_per_step: int = 32
+    """distinct prompts sampled per step"""
+    completions_per_prompt: int = 8
+    """completions sampled per prompt (the critic, not the group, gives the baseline)"""
+    max_new_tokens: int = 12
+    temperature: float = 1.0
+    """sampling temperature; log-probs are computed from logits / temperature to match"""
+
+    # optimization
+    lr: float = 2e-4
+    """policy learning rate"""
+    critic_lr: float = 1e-3
+    """critic learning rate"""
+    num_epochs: int = 1
+    """passes over each rollout batch"""
+    num_minibatches: int = 4
+    """optimizer steps per pass over the rollout batch"""
+    micro_batch_size: int = 64
+    """sequences per forward/backward (gradient accumulation within a minibatch)"""
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+    """linear learning-rate warmup, in optimizer steps"""
+    weight_decay: float = 0.0
+
+    # models
+    critic_model: str | None = None
+    """initial critic: a reward model, or any model of the policy's tokenizer (default: the policy's
+    initial model with a new, zero-initialized value head)"""
+    reward_model: str | None = None
+    """sequence-classification reward model scoring decoded prompt+completion with its own tokenizer
+    (default: the task's verifiable reward)"""
+
+    # algorithm
+    eps_low: float = 0.2
+    """lower clip range: ratio is clipped at 1 - eps_low"""
+    eps_high: float = 0.2
+    """upper clip range: ratio is clipped at 1 + eps_high"""
+    kl_coef: float = 0.05
+    """beta, weight of the per-token KL penalty in the reward (initial value if --target-kl); 0 loads
+    no reference model"""
+    target_kl: float | None = None
+    """adaptive KL controller (Ziegler et al. 2019): steer beta so the per-sequence KL approaches this"""
+    kl_horizon: int = 10000
+    """adaptive KL controller horizon, in sequences"""
+    gamma: float = 1.0
+    """discount over completion tokens"""
+    lam: float = 0.95
+    """GAE lambda: 1 uses Monte-Carlo returns, 0 one-step TD residuals"""
+    vf_coef: float = 0.1
+    """weight of the value loss"""
+    vf_clip: float = 0.2
+    """value clip range: V is clipped to V_old +- vf_clip in the clipped value loss"""
+    whiten_advantages: bool = True
+    """normalize advantages to mean 0, std 1 over the batch's completion tokens"""
+    missing_eos_penalty: float = 0.0
+    """subtracted from the score of completions that hit max_new_tokens without EOS"""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "token-mean")
+    """how per-token losses are averaged (seq-mean-token-sum-norm divides by max_new_tokens)"""
+    mask_truncated_completions: bool = False
+    """leave completions that hit max_new_tokens (no EOS) out of the loss"""
+
+    # infra
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """trainer weight dtype (float32 keeps fp32 master weights)"""
+    bf16_autocast: bool = True
+    """on CUDA, run forward/backward under bfloat16 autocast"""
+    gradient_checkpointing: bool = False
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (weights + KV cache)"""
+    vllm_cpu_kv_cache_gib: int = 1
+    """KV cache size on CPU"""
+    eval_every: int = 10
+    """greedy held-out evaluation every N steps (and at start and end); 0 only at start and end"""
+    save_every: int = 50
+    """checkpoint every N steps; 0 only on Ctrl-C"""
+    resume: str | None = None
+    """checkpoint folder to continue from (runs/.../checkpoints/step_N)"""
+    tensorboard: bool = False
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "rl-lm"
+
+
+def load_critic(name_or_path: str, tokenizer, dtype: str, device: str, gradient_checkpointing: bool = False):
+    """V: a transformer with a scalar head at every position (AutoModelForSequenceClassification,
+    num_labels=1, used per token). From a causal LM the head is new: it starts at zero, so the
+    first values are 0 and the first advantages are Monte-Carlo returns."""
+    critic, info = AutoModelForSequenceClassification.from_pretrained(
+        os.path.expanduser(name_or_path), num_labels=1, dtype=DTYPES[dtype], output_loading_info=True)
+    need(isinstance(getattr(critic, "score", None), torch.nn.Linear),
+         f"critic {name_or_path!r}: expected a model with a linear `score` head (Llama/Qwen/Mistral/GPT-2 style)")
+    if any(k.startswith("score.") for k in info["missing_keys"]):
+        torch.nn.init.zeros_(critic.score.weight)
+    if len(tokenizer) > critic.get_input_embeddings().num_embeddings:
+        critic.resize_token_embeddings(len(tokenizer))  # the critic reads the policy's token ids
+    if gradient_checkpointing:
+        critic.gradient_checkpointing_enable()
+        critic.config.use_cache = False
+    return critic.to(device)
+
+
+def forward_values(critic, input_ids, attention_mask, num_completion_tokens: int):
+    """V_t for each completion token t: the value of the state (x, y_<t) before it is emitted,
+    read at the same columns whose logits score y_t (P-1 .. P+C-2). [B, C]."""
+    C = num_completion_tokens
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    hidden = critic.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False).last_hidden_state[:, -C - 1:-1]
+    return critic.score(hidden).squeeze(-1).float()
+
+
+@torch.no_grad()
+def reward_model_scores(reward_model, rm_tokenizer, texts: list[str], device: str) -> torch.Tensor:
+    """The reward model's score of each text (prompt + completion), read at its last real token."""
+    batch = rm_tokenizer(texts, return_tensors="pt", padding=True, padding_side="right").to(device)
+    hidden = reward_model.base_model(**batch, use_cache=False).last_hidden_state
+    last = batch["attention_mask"].sum(1) - 1
+    return reward_model.score(hidden[torch.arange(len(texts), device=device), last]).squeeze(-1).float()
+
+
+def compute_token_rewards(scores, kl, mask, kl_coef: float):
+    """r_t = -beta * KL_t on every completion token, plus the sequence score on the last one.
+    [B] scores, [B, C] kl and mask (right-padded) -> [B, C], 0 on padding."""
+    token_rewards = -kl_coef * kl * mask
+    last = (mask.sum(1).long() - 1).clamp(min=0)
+    has_tokens = mask.sum(1) > 0
+    token_rewards[torch.arange(len(scores)), last] += scores * has_tokens
+    return token_rewards
+
+
+def compute_advantages(token_rewards, values, mask, gamma: float, lam: float):
+    """GAE over completion tokens, right to left; the state after the last token is terminal.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t,  A_t = delta_t + gamma * lambda * A_{t+1}.
+    Returns (advantages, returns = advantages + values), both 0 on padding."""
+    values = values * mask
+    advantages = torch.zeros_like(values)
+    next_advantage = torch.zeros_like(values[:, 0])
+    C = values.shape[1]
+    for t in reversed(range(C)):
+        next_mask = mask[:, t + 1] if t + 1 < C else torch.zeros_like(mask[:, 0])
+        next_value = values[:, t + 1] * next_mask if t + 1 < C else torch.zeros_like(values[:, 0])
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = (delta + gamma * lam * next_advantage * next_mask) * mask[:, t]
+        advantages[:, t] = next_advantage
+    return advantages, (advantages + values) * mask
+
+
+def whiten(values, mask, eps: float = 1e-8):
+    """(v - mean) / std over the masked entries (the batch's completion tokens); 0 elsewhere."""
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    return (values - mean) * torch.rsqrt(var + eps) * mask
+
+
+def update_kl_coef(kl_coef: float, kl_per_seq: float, num_seqs: int, args: Args) -> float:
+    """Adaptive KL controller (Ziegler et al. 2019): raise beta when the KL is above target."""
+    if args.target_kl is None:
+        return kl_coef
+    error = min(max(kl_per_seq / args.target_kl - 1, -0.2), 0.2)
+    return kl_coef * (1 + error * num_seqs / args.kl_horizon)
+
+
+def compute_loss(logprobs, old_logprobs, advantages, values, old_values, returns, mask, args: Args,
+                 num_tokens, num_seqs):
+    """The PPO loss of one micro-batch: clipped surrogate + vf_coef * clipped value loss; [B, C] inputs.
+
+    num_tokens / num_seqs are the minibatch's totals, so accumulated micro-batch losses add
+    up to the minibatch loss. Returns the loss and per-micro-batch statistics."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    clipped_ratio = torch.clamp(ratio, 1 - args.eps_low, 1 + args.eps_high)
+    pg_per_token = -torch.min(ratio * advantages, clipped_ratio * advantages)
+    pg_loss = aggregate(pg_per_token, mask, args.loss_agg, num_tokens, num_seqs, args.max_new_tokens)
+    clipped_values = old_values + torch.clamp(values - old_values, -args.vf_clip, args.vf_clip)
+    vf_unclipped, vf_clipped = (values - returns) ** 2, (clipped_values - returns) ** 2
+    vf_per_token = 0.5 * torch.max(vf_unclipped, vf_clipped)
+    vf_loss = aggregate(vf_per_token, mask, args.loss_agg, num_tokens, num_seqs, args.max_new_tokens)
+    loss = pg_loss + args.vf_coef * vf_loss
+    with torch.no_grad():
+        # the clipped term is the smaller one: these tokens get no gradient from the surrogate
+        clipped = ((ratio < 1 - args.eps_low) & (advantages < 0)) | ((ratio > 1 + args.eps_high) & (advantages > 0))
+        stats = {"loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(),
+                 "policy/clip_frac": masked_mean(clipped.float(), mask),
+                 "policy/approx_kl": masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask),
+                 "value/clip_frac": masked_mean((vf_clipped > vf_unclipped).float(), mask)}
+    return loss, stats
+
+
+def main(args: Args) -> None:
+    # ---------------------------------------------------------------- setup
+    config = check_model(args.model)
+    task = load_task(args.task, seed=args.seed)
+    tokenizer = load_tokenizer(args.model)
+    max_prompt_len = max(len(p) for p in encode_prompts(tokenizer, [e["prompt"] for e in task.train + task.eval]))
+    check_args(args, max_context=config.max_position_embeddings, max_prompt_len=max_prompt_len, min_completions=1)
+    need(0 <= args.eps_low < 1 and args.eps_high >= 0, "--eps-low must be in [0, 1) and --eps-high >= 0")
+    need(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
+    need(args.target_kl is None or args.target_kl > 0, f"--target-kl must be positive, got {args.target_kl}")
+    need(args.target_kl is None or args.kl_coef > 0, "--target-kl needs --kl-coef > 0 (its initial value)")
+    need(args.kl_horizon > 0, f"--kl-horizon must be positive, got {args.kl_horizon}")
+    need(0 <= args.gamma <= 1 and 0 <= args.lam <= 1, "--gamma and --lam must be in [0, 1]")
+    need(args.vf_coef >= 0 and args.vf_clip > 0, "--vf-coef must be >= 0 and --vf-clip > 0")
+    need(args.critic_lr > 0, f"--critic-lr must be positive, got {args.critic_lr}")
+    for path in (args.critic_model, args.reward_model):
+        if path is not None:
+            check_model(path)
+    if args.resume is not None:
+        need(os.path.isfile(os.path.join(args.resume, "trainer_state.pt")),
+             f"--resume {args.resume!r} is not a checkpoint folder (no trainer_state.pt)")
+    run_name = f"ppo__{args.task}__{args.seed}__{int(time.time())}"
+    output_dir = args.output_dir or (os.path.dirname(os.path.dirname(os.path.abspath(args.resume)))
+                                     if args.resume else os.path.join("runs", run_name))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    autocast_dtype = torch.bfloat16 if device == "cuda" and args.bf16_autocast else None
+
+    llm = create_engine(args.model, seed=args.seed, max_model_len=max_prompt_len + args.max_new_tokens,
+                        dtype="bfloat16" if device == "cuda" else "float32",
+                        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                        cpu_kv_cache_gib=args.vllm_cpu_kv_cache_gib)
+    seed_everything(args.seed)  # after the engine: in-process vLLM reseeds the global RNGs
+    policy = load_policy(args.resume and os.path.join(args.resume, "policy") or args.model, tokenizer,
+                         args.dtype, device, args.gradient_checkpointing)
+    # the reference is the initial model, also when resuming
+    ref_model = frozen_copy(load_policy(args.model, tokenizer, args.dtype, device)) if args.kl_coef > 0 else None
+    critic = load_critic(args.resume and os.path.join(args.resume, "critic") or args.critic_model or args.model,
+                         tokenizer, args.dtype, device, args.gradient_checkpointing)
+    reward_model = rm_tokenizer = None
+    if args.reward_model is not None:
+        reward_model = AutoModelForSequenceClassification.from_pretrained(
+            os.path.expanduser(args.reward_model), num_labels=1, dtype=DTYPES[args.dtype]).to(device).eval()
+        reward_model.requires_grad_(False)
+        rm_tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(args.reward_model))
+        if rm_tokenizer.pad_token is None:
+            rm_tokenizer.pad_token = rm_tokenizer.eos_token  # right padding, scores read before it
+    optimizer = torch.optim.AdamW([{"params": policy.parameters(), "lr": args.lr},
+                                   {"params": critic.parameters(), "lr": args.critic_lr}],
+                                  weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
+    prompt_sampler = torch.Generator().manual_seed(args.seed)
+    start_step, kl_coef = 0, args.kl_coef
+    if args.resume:
+        state = load_checkpoint(args.resume)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        prompt_sampler.set_state(state["prompt_sampler"])
+        start_step, kl_coef = state["step"], state["kl_coef"]
+    sync_weights(llm, policy)  # vLLM loaded args.model; after --resume the policy differs
+    logger = MetricsLogger(output_dir, args, start_step, args.tensorboard, args.track, args.wandb_project)
+
+    def checkpoint(step: int) -> str:
+        path = os.path.join(output_dir, "checkpoints", f"step_{step}")
+        state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                 "prompt_sampler": prompt_sampler.get_state(), "kl_coef": kl_coef}
+        save_checkpoint(path, {"policy": policy, "critic": critic}, tokenizer, state)
+        return path
+
+    print(f"ppo: {args.model} on {args.task} ({device}), {args.steps} steps of {args.prompts_per_step} prompts "
+          f"x {args.completions_per_prompt} completions -> {output_dir}")
+    first_eval = evaluate(llm, tokenizer, task, args.max_new_tokens)
+    if start_step == 0:
+        logger.log(0, first_eval)
+    sampling_params = SamplingParams(n=args.completions_per_prompt, temperature=args.temperature,
+                                     max_tokens=args.max_new_tokens, logprobs=0)
+    G, B = args.completions_per_prompt, args.prompts_per_step * args.completions_per_prompt
+    metrics, eval_metrics, t_start = {}, first_eval, time.perf_counter()
+    progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, desc="ppo")
+    with GracefulInterrupt() as interrupt:
+        for step in progress:
+            times = {}
+            t_step = time.perf_counter()
+            # ---------------------------------------------------------------- 1. rollout
+            with timed(times, "rollout"):
+                idx = torch.randint(len(task.train), (args.prompts_per_step,), generator=prompt_sampler).tolist()
+                examples = [task.train[i] for i in idx]
+                prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in examples])
+                outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], sampling_params, use_tqdm=False)
+                completions = [c for out in outputs for c in out.outputs]  # G per prompt, consecutive
+
+            # ---------------------------------------------------------------- 2. reward
+            rewards = torch.tensor([task.reward(c.text, examples[i // G]) for i, c in enumerate(completions)])
+            truncated = torch.tensor([c.finish_reason == "length" for c in completions])
+            if reward_model is not None:
+                task_rewards = rewards
+                prompt_texts = tokenizer.batch_decode(prompt_ids, skip_special_tokens=False)
+                rewards = reward_model_scores(reward_model, rm_tokenizer, [
+                    prompt_texts[i // G] + c.text for i, c in enumerate(completions)], device).cpu()
+            scores = rewards - args.missing_eos_penalty * truncated.float()
+
+            # ---------------------------------------------------------------- 3. old / ref log-probs
+            with timed(times, "logprobs"):
+                input_ids, attention_mask, completion_mask = make_batch(
+                    [p for p in prompt_ids for _ in range(G)], [list(c.token_ids) for c in completions],
+                    tokenizer.pad_token_id, device)
+                truncated = truncated.to(device)
+                loss_mask = completion_mask.clone()
+                if args.mask_truncated_completions:
+                    loss_mask[truncated] = 0  # no EOS: we don't know how these would have ended
+                C = completion_mask.shape[1]
+                old_logprobs = batched_logprobs(policy, input_ids, attention_mask, C, args.temperature,
+                                                args.micro_batch_size, autocast_dtype)
+                ref_logprobs = None
+                if ref_model is not None:
+                    ref_logprobs = batched_logprobs(ref_model, input_ids, attention_mask, C, args.temperature,
+                                                    args.micro_batch_size, autocast_dtype)
+                with torch.no_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                    old_values = torch.cat([forward_values(critic, input_ids[i:i + args.micro_batch_size],
+                                                           attention_mask[i:i + args.micro_batch_size], C)
+                                            for i in range(0, B, args.micro_batch_size)])
+                vllm_logprobs = torch.zeros_like(old_logprobs)
+                for i, c in enumerate(completions):
+                    vllm_logprobs[i, :len(c.token_ids)] = torch.tensor(
+                        [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+
+            # ---------------------------------------------------------------- 4. advantage
+            kl = torch.zeros_like(old_logprobs) if ref_logprobs is None else old_logprobs - ref_logprobs
+            token_rewards = compute_token_rewards(scores.to(device), kl, loss_mask, kl_coef)
+            advantages, returns = compute_advantages(token_rewards, old_values, loss_mask, args.gamma, args.lam)
+            if args.whiten_advantages:
+                advantages = whiten(advantages, loss_mask)
+
+            # ---------------------------------------------------------------- 5. update
+            with timed(times, "train"):
+                policy.train()
+                critic.train()
+                step_stats = defaultdict(list)
+                for epoch in range(args.num_epochs):
+                    for mb in torch.randperm(B, device=device).split(B // args.num_minibatches):
+                        num_tokens, num_seqs, mb_loss = loss_mask[mb].sum(), len(mb), 0.0
+                        for micro in mb.split(args.micro_batch_size):
+                            with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                                logprobs, entropy = forward_logprobs(policy, input_ids[micro], attention_mask[micro],
+                                                                     C, args.temperature, with_entropy=True)
+                                values = forward_values(critic, input_ids[micro], attention_mask[micro], C)
+                            loss, stats = compute_loss(
+                                logprobs, old_logprobs[micro], advantages[micro], values, old_values[micro],
+                                returns[micro], loss_mask[micro], args, num_tokens, num_seqs)
+                            loss.backward()  # micro-batch losses add up to the minibatch loss
+                            mb_loss += loss.item()
+                            stats["policy/entropy"] = masked_mean(entropy, completion_mask[micro])
+                            for k, v in stats.items():
+                                step_stats[k].append(float(v))
+                        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                        critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+                        optimizer.step()
+                        scheduler.step()
+                        optimizer.zero_grad(set_to_none=True)
+                        step_stats["loss/total"].append(mb_loss)
+                        step_stats["optim/grad_norm"].append(float(grad_norm))
+                        step_stats["optim/critic_grad_norm"].append(float(critic_grad_norm))
+
+            # ---------------------------------------------------------------- 6. sync
+            with timed(times, "sync"):
+                sync_weights(llm, policy)
+
+            # ---------------------------------------------------------------- 7. log / eval / checkpoint
+            times["step"] = time.perf_counter() - t_step
+            metrics = {k: sum(v) / len(v) for k, v in step_stats.items()}
+            metrics.update({
+                "reward/mean": rewards.mean(), "reward/std": rewards.std(),
+                "response/length_mean": completion_mask.sum(1).float().mean(),
+                "response/truncated_frac": truncated.float().mean(),
+                "rollout/logprob_mismatch": masked_mean((vllm_logprobs - old_logprobs).abs(), completion_mask),
+                "optim/lr": scheduler.get_last_lr()[0],
+                **{f"time/{k}": v for k, v in times.items()},
+                "throughput/tokens_per_s": completion_mask.sum() / times["step"],
+                "memory/peak_gib": peak_memory_gib(),
+            })
+            if ref_logprobs is not None:
+                log_ref_ratio = ref_logprobs - old_logprobs
+                metrics["kl/ref"] = masked_mean(torch.exp(log_ref_ratio) - log_ref_ratio - 1, completion_mask)
+                kl_per_seq = (kl * loss_mask).sum(1).mean().item()
+                metrics.update({"kl/token_mean": masked_mean(kl, loss_mask), "kl/seq_mean": kl_per_seq,
+                                "kl/coef": kl_coef})
+                kl_coef = update_kl_coef(kl_coef, kl_per_seq, B, args)
+            valid = loss_mask.bool()
+            metrics.update({
+                "reward/score_mean": scores.mean(),  # the sequence score after the missing-EOS penalty
+                "reward/shaped_mean": (token_rewards * loss_mask).sum(1).mean(),  # score - beta * sum_t KL_t
+                "value/mean": masked_mean(old_values, loss_mask),
+                # 1 - Var(returns - V) / Var(returns): how much of the return the critic predicts
+                "value/explained_variance": 1 - (returns - old_values)[valid].var()
+                / returns[valid].var().clamp(min=1e-8),
+            })
+            if reward_model is not None:
+                metrics["reward/task_mean"] = task_rewards.mean()
+            if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.steps:
+                eval_metrics = evaluate(llm, tokenizer, task, args.max_new_tokens)
+                metrics.update(eval_metrics)
+            logger.log(step + 1, metrics)
+            progress.set_postfix(reward=f"{float(metrics['reward/mean']):.3f}",
+                                 eval_acc=f"{eval_metrics['eval/accuracy']:.3f}",
+                                 kl=f"{float(metrics.get('kl/ref', 0.0)):.4f}")
+            if (args.save_every and (step + 1) % args.save_every == 0) or interrupt.requested:
+                path = checkpoint(step + 1)
+                if interrupt.requested:
+                    print(f"saved checkpoint {path}; continue with --resume {path}")
+                    logger.close()
+                    return
+
+    final_dir = os.path.join(output_dir, "final")
+    policy.save_pretrained(final_dir)
+    tokenizer.save_pretrained(final_dir)
+    summary = {"eval/accuracy_start": first_eval["eval/accuracy"] if start_step == 0 else None,
+               "eval/accuracy_end": eval_metrics["eval/accuracy"], "steps": args.steps,
+               "wall_time_s": time.perf_counter() - t_start}
+    with open(os.path.join(output_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    logger.close()
+    print(f"done: held-out accuracy {first_eval['eval/accuracy']:.3f} -> {eval_metrics['eval/accuracy']:.3f}; "
+          f"final model in {final_dir}")
+
+
+if __name__ == "__main__":
+    try:
+        main(tyro.cli(Args))
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
