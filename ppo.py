@@ -44,9 +44,10 @@ from vllm import SamplingParams
 
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from common.models import DTYPES, check_model, create_engine, frozen_copy, load_policy, load_tokenizer, sync_weights
+from common.models import (DTYPES, check_model, create_engine, frozen_copy, load_policy, load_tokenizer,
+                           resolve_model, sync_weights)
 from common.ops import aggregate, batched_logprobs, forward_logprobs, make_batch, masked_mean
-from common.tasks import encode_prompts, load_task
+from common.tasks import encode_prompts, load_task, stop_token_ids
 from common.utils import (ConfigError, GracefulInterrupt, MetricsLogger, check_args, evaluate,
                           load_checkpoint, need, peak_memory_gib, save_checkpoint, seed_everything, timed)
 
@@ -72,6 +73,10 @@ class Args:
     max_new_tokens: int = 12
     temperature: float = 1.0
     """sampling temperature; log-probs are computed from logits / temperature to match"""
+    chat_template: bool = True
+    """wrap prompts in the tokenizer's chat template when it has one (--no-chat-template: raw text)"""
+    system_prompt: str | None = None
+    """system message of chat-template prompts"""
 
     # optimization
     lr: float = 2e-4
@@ -154,7 +159,7 @@ def load_critic(name_or_path: str, tokenizer, dtype: str, device: str, gradient_
     num_labels=1, used per token). From a causal LM the head is new: it starts at zero, so the
     first values are 0 and the first advantages are Monte-Carlo returns."""
     critic, info = AutoModelForSequenceClassification.from_pretrained(
-        os.path.expanduser(name_or_path), num_labels=1, dtype=DTYPES[dtype], output_loading_info=True)
+        resolve_model(name_or_path), num_labels=1, dtype=DTYPES[dtype], output_loading_info=True)
     need(isinstance(getattr(critic, "score", None), torch.nn.Linear),
          f"critic {name_or_path!r}: expected a model with a linear `score` head (Llama/Qwen/Mistral/GPT-2 style)")
     if any(k.startswith("score.") for k in info["missing_keys"]):
@@ -259,7 +264,8 @@ def main(args: Args) -> None:
     config = check_model(args.model)
     task = load_task(args.task, seed=args.seed)
     tokenizer = load_tokenizer(args.model)
-    max_prompt_len = max(len(p) for p in encode_prompts(tokenizer, [e["prompt"] for e in task.train + task.eval]))
+    max_prompt_len = max(len(p) for p in encode_prompts(tokenizer, [e["prompt"] for e in task.train + task.eval],
+                                                        args.chat_template, args.system_prompt))
     check_args(args, max_context=config.max_position_embeddings, max_prompt_len=max_prompt_len, min_completions=1)
     need(0 <= args.eps_low < 1 and args.eps_high >= 0, "--eps-low must be in [0, 1) and --eps-high >= 0")
     need(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
@@ -295,9 +301,9 @@ def main(args: Args) -> None:
     reward_model = rm_tokenizer = None
     if args.reward_model is not None:
         reward_model = AutoModelForSequenceClassification.from_pretrained(
-            os.path.expanduser(args.reward_model), num_labels=1, dtype=DTYPES[args.dtype]).to(device).eval()
+            resolve_model(args.reward_model), num_labels=1, dtype=DTYPES[args.dtype]).to(device).eval()
         reward_model.requires_grad_(False)
-        rm_tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(args.reward_model))
+        rm_tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.reward_model))
         if rm_tokenizer.pad_token is None:
             rm_tokenizer.pad_token = rm_tokenizer.eos_token  # right padding, scores read before it
     optimizer = torch.optim.AdamW([{"params": policy.parameters(), "lr": args.lr},
@@ -324,11 +330,13 @@ def main(args: Args) -> None:
 
     print(f"ppo: {args.model} on {args.task} ({device}), {args.steps} steps of {args.prompts_per_step} prompts "
           f"x {args.completions_per_prompt} completions -> {output_dir}")
-    first_eval = evaluate(llm, tokenizer, task, args.max_new_tokens)
+    first_eval = evaluate(llm, tokenizer, task, args.max_new_tokens, args.chat_template, args.system_prompt)
     if start_step == 0:
         logger.log(0, first_eval)
+    # the template's end-of-turn token ends a completion like EOS (and stays in its loss mask)
     sampling_params = SamplingParams(n=args.completions_per_prompt, temperature=args.temperature,
-                                     max_tokens=args.max_new_tokens, logprobs=0)
+                                     max_tokens=args.max_new_tokens, logprobs=0,
+                                     stop_token_ids=stop_token_ids(tokenizer))
     G, B = args.completions_per_prompt, args.prompts_per_step * args.completions_per_prompt
     metrics, eval_metrics, t_start = {}, first_eval, time.perf_counter()
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, desc="ppo")
@@ -340,7 +348,8 @@ def main(args: Args) -> None:
             with timed(times, "rollout"):
                 idx = torch.randint(len(task.train), (args.prompts_per_step,), generator=prompt_sampler).tolist()
                 examples = [task.train[i] for i in idx]
-                prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in examples])
+                prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in examples], args.chat_template,
+                                            args.system_prompt)
                 outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], sampling_params, use_tqdm=False)
                 completions = [c for out in outputs for c in out.outputs]  # G per prompt, consecutive
 
@@ -452,7 +461,7 @@ def main(args: Args) -> None:
             if reward_model is not None:
                 metrics["reward/task_mean"] = task_rewards.mean()
             if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.steps:
-                eval_metrics = evaluate(llm, tokenizer, task, args.max_new_tokens)
+                eval_metrics = evaluate(llm, tokenizer, task, args.max_new_tokens, args.chat_template, args.system_prompt)
                 metrics.update(eval_metrics)
             logger.log(step + 1, metrics)
             progress.set_postfix(reward=f"{float(metrics['reward/mean']):.3f}",

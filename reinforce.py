@@ -36,7 +36,7 @@ from vllm import SamplingParams
 
 from common.models import check_model, create_engine, frozen_copy, load_policy, load_tokenizer, sync_weights
 from common.ops import aggregate, batched_logprobs, forward_logprobs, make_batch, masked_mean
-from common.tasks import encode_prompts, load_task
+from common.tasks import encode_prompts, load_task, stop_token_ids
 from common.utils import (ConfigError, GracefulInterrupt, MetricsLogger, check_args, evaluate,
                           load_checkpoint, need, peak_memory_gib, save_checkpoint, seed_everything, timed)
 
@@ -62,6 +62,10 @@ class Args:
     max_new_tokens: int = 12
     temperature: float = 1.0
     """sampling temperature; log-probs are computed from logits / temperature to match"""
+    chat_template: bool = True
+    """wrap prompts in the tokenizer's chat template when it has one (--no-chat-template: raw text)"""
+    system_prompt: str | None = None
+    """system message of chat-template prompts"""
 
     # optimization
     lr: float = 2e-4
@@ -162,7 +166,8 @@ def main(args: Args) -> None:
     config = check_model(args.model)
     task = load_task(args.task, seed=args.seed)
     tokenizer = load_tokenizer(args.model)
-    max_prompt_len = max(len(p) for p in encode_prompts(tokenizer, [e["prompt"] for e in task.train + task.eval]))
+    max_prompt_len = max(len(p) for p in encode_prompts(tokenizer, [e["prompt"] for e in task.train + task.eval],
+                                                        args.chat_template, args.system_prompt))
     check_args(args, max_context=config.max_position_embeddings, max_prompt_len=max_prompt_len, min_completions=1)
     need(0 <= args.baseline_decay < 1, f"--baseline-decay must be in [0, 1), got {args.baseline_decay}")
     need(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
@@ -210,11 +215,13 @@ def main(args: Args) -> None:
 
     print(f"reinforce: {args.model} on {args.task} ({device}), {args.steps} steps of {args.prompts_per_step} prompts "
           f"x {args.completions_per_prompt} completions -> {output_dir}")
-    first_eval = evaluate(llm, tokenizer, task, args.max_new_tokens)
+    first_eval = evaluate(llm, tokenizer, task, args.max_new_tokens, args.chat_template, args.system_prompt)
     if start_step == 0:
         logger.log(0, first_eval)
+    # the template's end-of-turn token ends a completion like EOS (and stays in its loss mask)
     sampling_params = SamplingParams(n=args.completions_per_prompt, temperature=args.temperature,
-                                     max_tokens=args.max_new_tokens, logprobs=0)
+                                     max_tokens=args.max_new_tokens, logprobs=0,
+                                     stop_token_ids=stop_token_ids(tokenizer))
     G, B = args.completions_per_prompt, args.prompts_per_step * args.completions_per_prompt
     metrics, eval_metrics, t_start = {}, first_eval, time.perf_counter()
     progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, desc="reinforce")
@@ -226,7 +233,8 @@ def main(args: Args) -> None:
             with timed(times, "rollout"):
                 idx = torch.randint(len(task.train), (args.prompts_per_step,), generator=prompt_sampler).tolist()
                 examples = [task.train[i] for i in idx]
-                prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in examples])
+                prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in examples], args.chat_template,
+                                            args.system_prompt)
                 outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], sampling_params, use_tqdm=False)
                 completions = [c for out in outputs for c in out.outputs]  # G per prompt, consecutive
 
@@ -311,7 +319,7 @@ def main(args: Args) -> None:
                 log_ref_ratio = ref_logprobs - old_logprobs
                 metrics["kl/ref"] = masked_mean(torch.exp(log_ref_ratio) - log_ref_ratio - 1, completion_mask)
             if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.steps:
-                eval_metrics = evaluate(llm, tokenizer, task, args.max_new_tokens)
+                eval_metrics = evaluate(llm, tokenizer, task, args.max_new_tokens, args.chat_template, args.system_prompt)
                 metrics.update(eval_metrics)
             logger.log(step + 1, metrics)
             progress.set_postfix(reward=f"{float(metrics['reward/mean']):.3f}",

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv and install the GPU set (requirements.txt) when an NVIDIA GPU is present,
-# the CPU set (requirements-cpu.txt) otherwise. Re-running is cheap: it reinstalls only
-# when the chosen requirements file changed. Override the choice with RL_LM_DEVICE=cpu|cuda.
+# the CPU set (requirements-cpu.txt) otherwise, then requirements-nodeps.txt without
+# dependencies. Re-running is cheap: it reinstalls only when one of those files changed.
+# Override the choice with RL_LM_DEVICE=cpu|cuda.
 set -euo pipefail
 cd "$(dirname "$0")"
 device="${RL_LM_DEVICE:-}"
@@ -14,7 +15,8 @@ case "$device" in
   *) echo "setup.sh: RL_LM_DEVICE must be cpu or cuda, got '$device'" >&2; exit 2 ;;
 esac
 python=${PYTHON:-python3}
-stamp=.venv/.installed-$(sha256sum "$reqs" | cut -c1-16)
+# the stamp changes with either requirements file (and so reinstalls)
+stamp=.venv/.installed-$(cat "$reqs" requirements-nodeps.txt | sha256sum | cut -c1-16)
 if [ -f "$stamp" ]; then
   echo "setup.sh: .venv is up to date ($reqs)"
   exit 0
@@ -23,10 +25,13 @@ echo "setup.sh: installing $reqs into .venv ($device)"
 [ -d .venv ] || "$python" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -r "$reqs"
+# packages whose declared dependencies must not be installed (see the file)
+.venv/bin/python -m pip install --quiet --no-deps -r requirements-nodeps.txt
 if [ "$device" = cpu ]; then
   .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 fi
-.venv/bin/python -c "import torch, transformers, vllm; print('setup.sh: torch', torch.__version__, \
+.venv/bin/python -c "import torch, transformers, vllm, math_verify, reasoning_gym, gguf, accelerate; \
+print('setup.sh: torch', torch.__version__, \
 '| transformers', transformers.__version__, '| vllm', vllm.__version__)"
 rm -f .venv/.installed-*
 touch "$stamp"

@@ -2,13 +2,32 @@
 
 A task gives train examples, held-out eval examples and `reward(completion, example)`,
 a float computed from the completion's text alone (no learned judge). Each example is
-a dict with at least "prompt" (the text the model continues) and "answer".
+a dict with at least "prompt" (the user's text: the question and the answer format it
+asks for) and "answer". A reward never raises on model output: what it cannot read
+scores 0.
+
+    --task sort               the bundled digit-sorting task (the default)
+    --task gsm8k              GSM8K from the hub (openai/gsm8k, config main), checked by math-verify
+    --task gsm8k:PATH         the same from a local copy of the hub dataset (README.md, main/*.parquet)
+    --task countdown          reasoning-gym's countdown (small config, see RG_TASKS)
+    --task basic_arithmetic   reasoning-gym's basic_arithmetic (small config)
+    --task rg:NAME[:k=v,...]  any reasoning-gym dataset, its default config or these overrides
+    --task jsonl:PATH         your own data: one {"prompt": ..., "answer": ...} per line,
+                              checked like gsm8k; jsonl:TRAIN,EVAL for an explicit eval file
+
+How a prompt reaches the model (chat template or raw text) is encode_prompts' job, and
+which tokens end a completion is stop_token_ids'.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import json
 import math
+import os
 import random
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -46,8 +65,16 @@ def sort_reward(completion: str, example: dict) -> float:
     return 1.0 if completion.strip() == example["answer"] else 0.0
 
 
+def sort_partial_reward(completion: str, example: dict) -> float:
+    """Partial credit: the fraction of positions that hold the right digit, over the longer
+    of completion and answer (1 only for the exact answer). Never negative, so without a
+    baseline every sample is reinforced: the setting of the policy-gradient lecture."""
+    c, a = completion.strip(), example["answer"]
+    return sum(x == y for x, y in zip(c, a)) / max(len(c), len(a), 1)
+
+
 def make_sort_task(seed: int = 0, num_train: int = 20000, num_eval: int = 200,
-                   min_len: int = 3, max_len: int = 8) -> Task:
+                   min_len: int = 3, max_len: int = 8, name: str = "sort", reward_fn=sort_reward) -> Task:
     """Lists of min_len..max_len random digits; eval lists never appear in train.
 
     The split depends on `seed` only, so every run and every script sees the same data.
@@ -74,22 +101,345 @@ def make_sort_task(seed: int = 0, num_train: int = 20000, num_eval: int = 200,
     def example(d: str) -> dict:
         return {"prompt": sort_prompt(d), "answer": "".join(sorted(d))}
 
-    return Task("sort", [example(d) for d in train_digits], [example(d) for d in eval_digits],
-                sort_reward)
+    return Task(name, [example(d) for d in train_digits], [example(d) for d in eval_digits], reward_fn)
 
+
+# ---------------------------------------------------------------------------------------
+# math answers checked by math-verify: gsm8k and jsonl:PATH
+# ---------------------------------------------------------------------------------------
+
+MATH_FORMAT = "Solve the problem step by step, then put your final answer within \\boxed{}."
+
+
+def _math_verify_timeout() -> int | None:
+    """math-verify times out a slow parse with SIGALRM, which works in the main thread only;
+    elsewhere (a worker thread) it runs without a timeout instead of raising."""
+    return 5 if threading.current_thread() is threading.main_thread() else None
+
+
+@functools.lru_cache(maxsize=65536)
+def parse_gold(answer: str) -> tuple:
+    """math-verify's reading of a reference answer ('72', '1,000', '\\frac{1}{2}', '0.5').
+
+    A bare answer is read as LaTeX math ($...$), which also takes plain numbers."""
+    from math_verify import parse
+
+    answer = answer.strip()
+    wrapped = answer if "$" in answer or "\\boxed" in answer else f"${answer}$"
+    return tuple(parse(wrapped, parsing_timeout=_math_verify_timeout()) or
+                 parse(answer, parsing_timeout=_math_verify_timeout()))
+
+
+def math_reward(completion: str, example: dict) -> float:
+    """1 if math-verify finds the completion's final answer equal to example["answer"], else 0.
+
+    math-verify reads the last \\boxed{...} answer first, then "the final answer is ...",
+    then the last number; it compares values, so 1,000 and 1000.0 and \\boxed{1000} are
+    the same answer. Anything it cannot parse scores 0."""
+    from math_verify import parse, verify
+
+    try:
+        gold = list(parse_gold(str(example["answer"])))
+        timeout = _math_verify_timeout()
+        pred = parse(completion, parsing_timeout=timeout)
+        return 1.0 if gold and pred and verify(gold, pred, timeout_seconds=timeout) else 0.0
+    except Exception:  # math-verify mostly catches its own errors; a reward must never raise
+        return 0.0
+
+
+def gsm8k_gold(solution: str) -> str:
+    """The final answer of a GSM8K solution: the text after '####', thousands separators dropped."""
+    if "####" not in solution:
+        raise ValueError(f"GSM8K solution without '####': {solution[-80:]!r}")
+    return solution.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+def gsm8k_prompt(question: str) -> str:
+    return f"{question.strip()}\n{MATH_FORMAT}"
+
+
+def make_gsm8k_task(seed: int = 0, source="openai/gsm8k", num_eval: int | None = None) -> Task:
+    """GSM8K (grade-school math word problems): train on its train split, evaluate on its
+    test split (all 1,319 problems; num_eval takes a seeded subset instead).
+
+    source is a hub id (`openai/gsm8k`, needs the network or the datasets cache), a local
+    folder in the hub's layout (README.md with the configs, main/train-*.parquet,
+    main/test-*.parquet: what downloading the dataset repository gives), or a
+    datasets.DatasetDict with "train" and "test" splits. Rows have "question" and
+    "answer" (a worked solution ending in '#### 72')."""
+    if isinstance(source, str):
+        import datasets
+
+        path = os.path.expanduser(source)
+        is_hub_id = source.count("/") == 1 and not source.startswith((".", "/", "~"))
+        if not os.path.isdir(path) and not is_hub_id:
+            raise ConfigError(f"gsm8k: {source!r} is not a folder (use --task gsm8k:PATH with a local copy "
+                              f"of the hub dataset openai/gsm8k: README.md and main/*.parquet)")
+        try:
+            splits = {s: datasets.load_dataset(path if os.path.isdir(path) else source, "main", split=s)
+                      for s in ("train", "test")}
+        except Exception as e:
+            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"gsm8k: cannot load {source!r} ({first_line}); without the hub, download "
+                              f"openai/gsm8k elsewhere and use --task gsm8k:PATH") from None
+    else:
+        splits = source
+
+    def examples(split) -> list[dict]:
+        try:
+            return [{"prompt": gsm8k_prompt(row["question"]), "answer": gsm8k_gold(row["answer"]),
+                     "question": row["question"]} for row in split]
+        except (KeyError, ValueError, TypeError) as e:
+            raise ConfigError(f"gsm8k: {source if isinstance(source, str) else 'dataset'} is not in the "
+                              f"hub's format (rows of 'question' and 'answer' ending in '#### N'): {e}") from None
+
+    train, test = examples(splits["train"]), examples(splits["test"])
+    if num_eval is not None and num_eval < len(test):
+        test = random.Random(seed).sample(test, num_eval)
+    return Task("gsm8k", train, test, math_reward)
+
+
+# ---------------------------------------------------------------------------------------
+# jsonl:PATH - your own prompts and answers, no code
+# ---------------------------------------------------------------------------------------
+
+def read_jsonl_examples(path: str) -> list[dict]:
+    """Rows of {"prompt": str, "answer": str or number} (other fields are kept); blank lines
+    are skipped. A malformed line is a ConfigError naming the file, the line and the problem."""
+    path = os.path.expanduser(path)
+    if not os.path.isfile(path):
+        raise ConfigError(f"jsonl task: file {path!r} does not exist")
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}, line {n}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{where}: expected a JSON object with fields 'prompt' and 'answer', "
+                                  f"got {type(row).__name__}")
+            for field in ("prompt", "answer"):
+                if field not in row:
+                    raise ConfigError(f"{where}: missing field {field!r} (each line needs 'prompt' and "
+                                      f"'answer'; found {', '.join(map(repr, row)) or 'no fields'})")
+            if not isinstance(row["prompt"], str) or not row["prompt"].strip():
+                raise ConfigError(f"{where}: field 'prompt' must be a non-empty string")
+            answer = row["answer"]
+            if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
+                raise ConfigError(f"{where}: field 'answer' must be a non-empty string or a number, "
+                                  f"got {answer!r}")
+            out.append({**row, "answer": str(answer)})
+    if not out:
+        raise ConfigError(f"jsonl task: {path!r} has no examples")
+    return out
+
+
+def make_jsonl_task(spec: str, seed: int = 0, max_eval: int = 200) -> Task:
+    """`PATH`: a seeded held-out set of 10% of the lines (1 to max_eval) is the eval split,
+    the rest is train. `TRAIN,EVAL`: two files. Rewards as gsm8k (math_reward); the prompt
+    is sent as written, so it should state the answer format (e.g. \\boxed{})."""
+    if "," in spec and not os.path.isfile(os.path.expanduser(spec)):
+        train_path, eval_path = spec.rsplit(",", 1)
+        train, held_out = read_jsonl_examples(train_path), read_jsonl_examples(eval_path)
+    else:
+        rows = read_jsonl_examples(spec)
+        if len(rows) < 2:
+            raise ConfigError(f"jsonl task: {spec!r} has {len(rows)} example; it needs at least 2 "
+                              f"(one is held out for evaluation), or pass jsonl:TRAIN,EVAL")
+        order = list(range(len(rows)))
+        random.Random(seed).shuffle(order)
+        n_eval = min(max_eval, max(1, len(rows) // 10))
+        held_out = [rows[i] for i in sorted(order[:n_eval])]
+        train = [rows[i] for i in sorted(order[n_eval:])]
+    return Task(f"jsonl:{spec}", train, held_out, math_reward)
+
+
+# ---------------------------------------------------------------------------------------
+# reasoning-gym: procedurally generated tasks with their own scorers
+# ---------------------------------------------------------------------------------------
+
+ANSWER_FORMAT = "Give your final answer inside <answer></answer> tags."
+
+# Configs of the named reasoning-gym tasks: smaller than the package defaults (countdown:
+# 4-6 numbers, targets 100-999; basic_arithmetic: up to 6 terms of 4 digits), which a
+# ~100M model cannot start on. `rg:NAME` uses the package's defaults. basic_arithmetic
+# keeps allow_parentheses=True: with False, reasoning-gym 0.1.25 writes a different
+# divisor into the question than it divides by ("Calculate 46 / 60." -> "2").
+RG_TASKS = {
+    "countdown": ("countdown", {"min_numbers": 3, "max_numbers": 4, "min_target": 10, "max_target": 100}),
+    "basic_arithmetic": ("basic_arithmetic", {"min_terms": 2, "max_terms": 3, "min_digits": 1,
+                                              "max_digits": 2, "allow_negation": False}),
+}
+
+
+def extract_answer_tag(completion: str) -> str | None:
+    """The text inside the last <answer>...</answer> of the completion, or None."""
+    from reasoning_gym.utils import extract_answer
+
+    return extract_answer(completion, tag_name="answer")
+
+
+def make_rg_task(dataset: str, seed: int = 0, num_train: int | None = None, num_eval: int | None = None,
+                 config: dict | None = None, name: str | None = None) -> Task:
+    """A reasoning-gym dataset generated from `seed`: eval examples first, then train
+    examples whose question is not an eval question. The prompt is the dataset's question
+    plus ANSWER_FORMAT; the reward is the dataset's own score_answer on the text inside
+    the last <answer> tags (None when there is none: the scorer's "no answer" score).
+
+    Generation costs from ~0.1 ms (basic_arithmetic) to ~5-20 ms (countdown) an example,
+    so the default sizes are 5,000 train and 200 eval, or 1,000 and 100 for countdown."""
+    import reasoning_gym
+
+    slow = dataset == "countdown"
+    num_train = num_train or (1000 if slow else 5000)
+    num_eval = num_eval or (100 if slow else 200)
+    # reasoning-gym seeds example i with Random(seed + i): spread the task seeds apart so
+    # that seeds 0 and 1 don't give the same examples shifted by one
+    base_seed = random.Random(f"rg:{dataset}:{seed}").randrange(2**31)
+    try:
+        data = reasoning_gym.create_dataset(dataset, seed=base_seed, size=num_eval + 4 * num_train,
+                                            **(config or {}))
+    except Exception as e:
+        raise ConfigError(f"task {name or dataset!r}: reasoning-gym cannot create {dataset!r} with "
+                          f"{config or {}} ({type(e).__name__}: {e})") from None
+
+    def example(i: int) -> dict:
+        entry = data[i]
+        return {**entry, "prompt": f"{entry['question'].rstrip()}\n{ANSWER_FORMAT}"}
+
+    eval_examples, seen, i = [], set(), 0
+    while len(eval_examples) < num_eval and i < num_eval * 4:
+        e = example(i)
+        i += 1
+        if e["question"] not in seen:
+            seen.add(e["question"])
+            eval_examples.append(e)
+    i, train = num_eval * 4, []
+    while len(train) < num_train and i < data.size:
+        e = example(i)
+        i += 1
+        if e["question"] not in seen:  # held out (repeats within train are fine)
+            train.append(e)
+    if not train:
+        raise ConfigError(f"task {name or dataset!r}: every generated question is in the eval set")
+
+    def reward(completion: str, ex: dict) -> float:
+        try:
+            return float(data.score_answer(extract_answer_tag(completion), ex))
+        except Exception:  # a scorer that trips over odd model output: no reward
+            return 0.0
+
+    return Task(name or f"rg:{dataset}", train, eval_examples, reward)
+
+
+def parse_rg_spec(spec: str) -> tuple[str, dict]:
+    """'basic_arithmetic:max_terms=2,max_digits=1' -> ('basic_arithmetic', {...})."""
+    dataset, _, overrides = spec.partition(":")
+    config = {}
+    for item in filter(None, overrides.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"task 'rg:{spec}': expected key=value, got {item!r}")
+        try:
+            config[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            config[key.strip()] = value.strip()
+    return dataset.strip(), config
+
+
+# ---------------------------------------------------------------------------------------
+# registry
+# ---------------------------------------------------------------------------------------
 
 TASKS: dict[str, Callable[..., Task]] = {
     "sort": make_sort_task,
+    "sort-partial": functools.partial(make_sort_task, name="sort-partial", reward_fn=sort_partial_reward),
+    "gsm8k": make_gsm8k_task,
+    **{name: functools.partial(make_rg_task, dataset, config=config, name=name)
+       for name, (dataset, config) in RG_TASKS.items()},
+}
+
+
+def _rg_from_spec(spec: str, seed: int) -> Task:
+    dataset, config = parse_rg_spec(spec)
+    return make_rg_task(dataset, seed=seed, config=config, name=f"rg:{spec}")
+
+
+# NAME:ARGUMENT spellings
+TASK_PREFIXES: dict[str, Callable[[str, int], Task]] = {
+    "gsm8k": lambda path, seed: make_gsm8k_task(seed=seed, source=path),
+    "jsonl": lambda spec, seed: make_jsonl_task(spec, seed=seed),
+    "rg": _rg_from_spec,
 }
 
 
 def load_task(name: str, seed: int = 0) -> Task:
     """Build a task by name; an unknown name is a clear error listing the known ones."""
+    prefix, colon, argument = name.partition(":")
+    if colon and prefix in TASK_PREFIXES and argument:
+        return TASK_PREFIXES[prefix](argument, seed)
     if name not in TASKS:
-        raise ConfigError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+        raise ConfigError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}, "
+                          f"and the spellings gsm8k:PATH, jsonl:PATH, rg:DATASET")
     return TASKS[name](seed=seed)
 
 
-def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
-    """Token ids of each prompt, exactly as sent to vLLM and scored by the trainer."""
+# ---------------------------------------------------------------------------------------
+# prompts and stop tokens: chat template or raw text
+# ---------------------------------------------------------------------------------------
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_prompts(tokenizer, prompts: list[str], chat_template: bool = True,
+                   system_prompt: str | None = None) -> list[list[int]]:
+    """Token ids of each prompt, exactly as sent to vLLM and scored by the trainer.
+
+    If the tokenizer has a chat template and chat_template is True, each prompt becomes a
+    user message (after an optional system message) rendered with add_generation_prompt:
+    the ids are what the template gives (its own BOS, if any; none added on top).
+    Otherwise the prompt is the raw text (with the tokenizer's usual special tokens), as
+    for the bundled tiny model, which has no template."""
+    if chat_template and has_chat_template(tokenizer):
+        system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+        conversations = [system + [{"role": "user", "content": p}] for p in prompts]
+        return [list(ids) for ids in tokenizer.apply_chat_template(
+            conversations, add_generation_prompt=True, tokenize=True, return_dict=False)]
+    if system_prompt is not None:
+        raise ConfigError("a system prompt needs a chat template: this tokenizer has none "
+                          "(or raw prompts were asked for)")
     return [tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
+
+
+def end_of_turn_token_ids(tokenizer) -> list[int]:
+    """The special token(s) the chat template puts right after an assistant message
+    (<|im_end|> for ChatML, <|eot_id|> for Llama 3, <end_of_turn> for Gemma); [] without
+    a template. Found by rendering a short conversation, not from a list of names."""
+    if not has_chat_template(tokenizer):
+        return []
+    marker = "Xq7Zw"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": marker}], tokenize=False)
+    except Exception:  # a template that rejects this conversation: no end-of-turn known
+        return []
+    after = text[text.rfind(marker) + len(marker):] if marker in text else ""
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+    return ids[:1] if ids and ids[0] in special else []
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """Token ids that end a completion: the tokenizer's EOS and the chat template's
+    end-of-turn token. Pass them to vLLM as SamplingParams(stop_token_ids=...): vLLM then
+    stops at end-of-turn even when the model's own EOS is another token, and keeps the
+    stop token as the last of the completion's token_ids (so it is in the loss mask and
+    the completion counts as finished, finish_reason "stop", not truncated)."""
+    ids = [tokenizer.eos_token_id] + end_of_turn_token_ids(tokenizer)
+    return list(dict.fromkeys(i for i in ids if i is not None))

@@ -132,15 +132,19 @@ class MetricsLogger:
 # evaluation: greedy decoding on the held-out split
 # ---------------------------------------------------------------------------------------
 
-def evaluate(llm, tokenizer, task, max_new_tokens: int) -> dict:
-    """Greedy accuracy (reward >= 1) and mean reward on the task's eval split, through vLLM."""
+def evaluate(llm, tokenizer, task, max_new_tokens: int, chat_template: bool = True,
+             system_prompt: str | None = None) -> dict:
+    """Greedy accuracy (reward >= 1) and mean reward on the task's eval split, through vLLM.
+
+    Prompts are encoded and completions stopped as in training: pass the same
+    chat_template / system_prompt as to encode_prompts (stop tokens: stop_token_ids)."""
     from vllm import SamplingParams
 
-    from common.tasks import encode_prompts
+    from common.tasks import encode_prompts, stop_token_ids
 
-    prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in task.eval])
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
-                           SamplingParams(temperature=0.0, max_tokens=max_new_tokens), use_tqdm=False)
+    prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in task.eval], chat_template, system_prompt)
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy, use_tqdm=False)
     rewards = [task.reward(o.outputs[0].text, e) for o, e in zip(outputs, task.eval)]
     return {"eval/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
             "eval/reward_mean": sum(rewards) / len(rewards)}

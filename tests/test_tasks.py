@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from common.tasks import Task, encode_prompts, load_task, make_sort_task, sort_reward
+from common.tasks import Task, encode_prompts, load_task, make_sort_task, sort_partial_reward, sort_reward
 from common.utils import ConfigError
 
 
@@ -27,6 +27,17 @@ def test_sort_examples_and_reward():
     for e in task.train[:100]:
         digits = e["prompt"][len("sort "):-1]
         assert e["answer"] == "".join(sorted(digits)) and 3 <= len(digits) <= 8
+
+
+def test_sort_partial_reward_gives_credit_per_position():
+    ex = {"prompt": "sort 52813:", "answer": "12358"}
+    assert sort_partial_reward("12358", ex) == 1.0
+    assert sort_partial_reward("85321", ex) == 1 / 5  # descending: only the middle digit is in place
+    assert sort_partial_reward("1235", ex) == 4 / 5
+    assert sort_partial_reward("123588", ex) == 5 / 6  # extra digits count against it
+    assert sort_partial_reward("", ex) == 0.0
+    partial, exact = load_task("sort-partial"), load_task("sort")
+    assert partial.eval == exact.eval and partial.train[:100] == exact.train[:100]  # same prompts
 
 
 def test_unknown_task_lists_known_tasks():
