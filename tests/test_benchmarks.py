@@ -1,0 +1,347 @@
+"""benchmarks/: the aggregation against hand computations on synthetic metrics, the gradient
+variance statistics (and their bootstrap) on hand-computed cases, the lecture's tables, sentences
+and plot for both tasks from synthetic runs, and the quick mode end to end (a table with one row
+per algorithm, plots with one line per algorithm, the lecture on sort and sort-partial). No
+timing thresholds."""
+
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from benchmarks import compare, gradient_variance
+from benchmarks import run as bench_run
+from tests.conftest import ROOT
+
+
+# ----------------------------------------------------------------- synthetic metrics.jsonl
+def step(s, t, reward, eval_acc=None, tps=100.0, mem=1.0):
+    """One step line: rollout 50%, log-probs 20%, update 20%, sync 5% of t."""
+    m = {"step": s, "time/step": t, "time/rollout": 0.5 * t, "time/logprobs": 0.2 * t, "time/train": 0.2 * t,
+         "time/sync": 0.05 * t, "throughput/tokens_per_s": tps, "memory/peak_gib": mem, "reward/mean": reward}
+    if eval_acc is not None:
+        m["eval/accuracy"] = eval_acc
+    return m
+
+
+SEEDS = {
+    0: [{"step": 0, "eval/accuracy": 0.2}, step(1, 1.0, 0.3, 0.5, tps=100.0, mem=1.0),
+        step(2, 2.0, 0.5, 0.9, tps=50.0, mem=1.5)],
+    1: [{"step": 0, "eval/accuracy": 0.2}, step(1, 1.0, 0.4, 0.85), step(2, 1.0, 0.6, 0.7)],
+    2: [{"step": 0, "eval/accuracy": 0.2}, step(1, 3.0, 0.1, 0.3), step(2, 3.0, 0.2, 0.4)],
+}
+
+
+def write_run(run_dir, metrics):
+    os.makedirs(run_dir, exist_ok=True)
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in metrics)
+    (run_dir / "summary.json").write_text(json.dumps({"eval/accuracy_end": metrics[-1]["eval/accuracy"]}))
+
+
+def test_run_stats_by_hand(tmp_path):
+    write_run(tmp_path, SEEDS[0])
+    s = compare.run_stats(compare.read_metrics(tmp_path), target=0.8)
+    assert (s["accuracy_start"], s["accuracy_end"], s["accuracy_peak"]) == (0.2, 0.9, 0.9)
+    assert s["steps_to_target"] == 2 and s["time_to_target_s"] == pytest.approx(3.0)
+    assert s["train_time_s"] == pytest.approx(3.0) and s["steps_per_s"] == pytest.approx(2 / 3)
+    assert s["tokens_per_s"] == pytest.approx((100 * 1.0 + 50 * 2.0) / 3.0)  # tokens / time, not a mean of rates
+    assert s["peak_memory_gib"] == 1.5
+    assert s["step_ms"] == pytest.approx(1500.0)
+    assert s["time_share"] == pytest.approx({"rollout": 0.5, "logprobs": 0.2, "train": 0.2, "sync": 0.05,
+                                             "other": 0.05})
+    assert s["sync_ms_median"] == pytest.approx(1000 * (0.05 + 0.1) / 2)
+    assert s["curves"]["eval_step"] == [0, 1, 2] and s["curves"]["eval_time_s"] == pytest.approx([0.0, 1.0, 3.0])
+    assert s["curves"]["time_s"] == pytest.approx([1.0, 3.0]) and s["curves"]["reward_mean"] == [0.3, 0.5]
+
+
+def test_aggregate_over_seeds_by_hand():
+    per_seed = [compare.run_stats(SEEDS[k], target=0.8) for k in (0, 1, 2)]
+    a = compare.aggregate(per_seed)
+    assert a["accuracy_end"]["mean"] == pytest.approx((0.9 + 0.7 + 0.4) / 3)
+    assert a["accuracy_end"]["std"] == pytest.approx(math.sqrt(((0.9 - 2 / 3) ** 2 + (0.7 - 2 / 3) ** 2
+                                                                 + (0.4 - 2 / 3) ** 2) / 2))  # ddof 1
+    # seed 2 never reaches 0.8: steps / time to target over the two seeds that did
+    assert a["steps_to_target"] == {"mean": 1.5, "std": pytest.approx(math.sqrt(0.5)), "n": 2, "reached": 2,
+                                    "seeds": 3}
+    assert a["time_to_target_s"]["mean"] == pytest.approx((3.0 + 1.0) / 2)
+    assert a["steps_per_s"]["mean"] == pytest.approx((2 / 3 + 1.0 + 1 / 3) / 3)
+    assert a["time_share"]["rollout"] == pytest.approx(0.5) and a["time_share"]["other"] == pytest.approx(0.05)
+    band = a["curves"]["accuracy_vs_step"]
+    assert band["step"] == [0, 1, 2] and band["x"] == [0, 1, 2]
+    assert band["mean"] == pytest.approx([0.2, (0.5 + 0.85 + 0.3) / 3, (0.9 + 0.7 + 0.4) / 3])
+    assert band["min"] == [0.2, 0.3, 0.4] and band["max"] == [0.2, 0.85, 0.9]
+    by_time = a["curves"]["accuracy_vs_time"]  # x: mean over seeds of the training time at that step
+    assert by_time["x"] == pytest.approx([0.0, (1 + 1 + 3) / 3, (3 + 2 + 6) / 3])
+    reward = a["curves"]["reward_vs_step"]
+    assert reward["step"] == [1, 2] and reward["mean"] == pytest.approx([0.8 / 3, 1.3 / 3])
+
+
+def test_tables_and_plots_from_run_folders(tmp_path):
+    configs = [compare.ALGORITHMS[0], compare.ALGORITHMS[3]]  # reinforce, grpo
+    for cfg in configs:
+        for seed, metrics in SEEDS.items():
+            write_run(tmp_path / "runs" / cfg.name / f"seed{seed}", metrics)
+    results = compare.collect(configs + [compare.ALGORITHMS[2]], [0, 1, 2], tmp_path / "runs",
+                              {("ppo", s): {"status": "missing"} for s in range(3)}, target=0.8)
+    assert results["reinforce"]["status"] == "ok" and results["ppo"]["status"] == "missing"
+    table = compare.comparison_table(results, 0.8).splitlines()
+    assert len(table) == 2 + 3 and all(line.count("|") == table[0].count("|") for line in table)
+    assert "steps to 0.8" in table[0] and "tokens/s" in table[0] and "peak mem. (GiB)" in table[0]
+    row = table[2].split("|")
+    assert row[1].strip() == "REINFORCE" and row[4].strip() == "0.20 ± 0.00" and row[5].strip() == "0.67 ± 0.25"
+    assert row[7].strip() == "1.5 ± 0.7 (2/3 seeds)"
+    assert "missing" in table[4]
+    times = compare.time_table(results).splitlines()
+    assert len(times) == 2 + 2 and "50.0%" in times[2] and "91.7" in times[2]  # median sync (75, 50, 150 ms), mean
+    curves = {r["label"]: r["aggregate"]["curves"] for r in results.values() if r.get("aggregate")}
+    drawn = compare.plot_curves(curves, tmp_path / "curves.png", "test", target=0.8)
+    assert drawn["lines"] == [["REINFORCE", "GRPO"]] * 4
+    assert png_size(tmp_path / "curves.png") == (1000, 740)
+
+
+# ----------------------------------------------------------------- gradient variance
+def test_variance_statistics_by_hand():
+    g = torch.tensor([[1.0, 0.0], [3.0, 0.0], [2.0, 3.0]])
+    s = gradient_variance.variance_stats(g)
+    # mean (2, 1); squared deviations 2 + 2 + 4 over N - 1 = 2
+    assert s["trace_cov"] == pytest.approx(4.0)
+    assert s["mean_grad_norm"] == pytest.approx(math.sqrt(5.0))
+    assert s["signal_sq"] == pytest.approx(5.0 - 4.0 / 3)  # |mean|^2 - tr Cov / N
+    assert s["relative_variance"] == pytest.approx(4.0 / (11 / 3))
+    cos = [2.5 / math.sqrt(8.5), 1 / math.sqrt(2), 2 / math.sqrt(13)]  # each against the other two's mean
+    assert s["cosine_to_mean"] == pytest.approx(sum(cos) / 3)
+    both = gradient_variance.compare_estimators({"none": g, "scaled": 2 * g})
+    assert both["scaled"]["relative_variance_vs_reference"] == pytest.approx(1.0)  # scale-free
+    assert both["scaled"]["trace_cov_vs_reference"] == pytest.approx(4.0)
+    assert both["scaled"]["cosine_mean_vs_reference"] == pytest.approx(1.0)
+
+    # the bootstrap's relative variance from the Gram matrix: drawing every batch once is the above
+    G = gradient_variance.gram(g)
+    rel = gradient_variance.relative_variance_resampled(G, torch.tensor([[1.0, 1, 1], [2, 1, 0]]))
+    # {g0, g0, g1} = {(1,0), (1,0), (3,0)}: mean (5/3, 0), squared deviations 4/9 + 4/9 + 16/9 over 2 = 4/3,
+    # signal 25/9 - (4/3) / 3 = 7/3
+    assert rel.tolist() == pytest.approx([4.0 / (11 / 3), (4 / 3) / (7 / 3)])
+    # the ratio to the reference, resampled: 1 for a rescaled reference; covers the plain ratio otherwise
+    g = torch.randn(20, 5, generator=torch.Generator().manual_seed(0)) + 1.0
+    noisier = g + 2 * torch.randn(20, 5, generator=torch.Generator().manual_seed(1))
+    grams = {"none": gradient_variance.gram(g), "scaled": gradient_variance.gram(3 * g),
+             "noisier": gradient_variance.gram(noisier)}
+    intervals = gradient_variance.bootstrap_ratio_intervals(grams, resamples=500)
+    assert intervals["none"] == pytest.approx((1.0, 1.0)) and intervals["scaled"] == pytest.approx((1.0, 1.0))
+    ratio = gradient_variance.variance_stats(noisier)["relative_variance"] / gradient_variance.variance_stats(g)[
+        "relative_variance"]
+    assert intervals["noisier"][0] < ratio < intervals["noisier"][1] and intervals["noisier"][0] > 1
+
+
+def test_findings_are_generated_from_the_numbers():
+    assert gradient_variance.ratio_phrase(0.25, (0.1, 0.5)).startswith("4.0 times lower (ratio 0.25, 95% bootstrap "
+                                                                       "interval 0.10-0.50")
+    assert gradient_variance.ratio_phrase(2.0, (1.5, 3.0)).startswith("2.0 times higher")
+    assert gradient_variance.ratio_phrase(0.5, (0.2, 1.3)).startswith("no clear difference")
+    assert gradient_variance.reward_kind(torch.tensor([0.0, 1.0, 1.0])) == "0/1"
+    assert gradient_variance.reward_kind(torch.tensor([0.0, 0.5, 1.0])) == "partial credit"
+    d = {"estimators": {"none": {"label": "no", "relative_variance": 8.0, "relative_variance_vs_reference": 1.0,
+                                 "ratio_interval": [1.0, 1.0]},
+                        "batch-mean": {"label": "mean", "relative_variance": 2.0,
+                                       "relative_variance_vs_reference": 0.25, "ratio_interval": [0.1, 0.5]}},
+         "score_norms": gradient_variance.score_norm_stats([(1.0, 2.0), (0.0, 6.0), (0.0, 2.0)])}
+    lines = gradient_variance.variance_findings("sort", d)
+    assert lines[0] == ("mean: relative gradient variance 2 against 8 without a baseline, 4.0 times lower "
+                        "(ratio 0.25, 95% bootstrap interval 0.10-0.50).")
+    assert lines[1].startswith("The variance-optimal constant baseline b* = 0.20 against the mean reward 0.33 of the "
+                               "same 3 completions (b*/mean 0.60; b* − mean R = Cov(R, ‖∇ log p‖²) / E‖∇ log p‖² = "
+                               "-0.13): reward and ‖∇ log p(y)‖² are negatively correlated, so a baseline at the "
+                               "mean reward is above the variance-optimal constant; mean ‖∇ log p‖²: 2 for R = 1, "
+                               "4 for R = 0.")
+
+
+def test_estimators_use_the_scripts_advantages():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    mask = torch.ones(8, 2)
+    adv = gradient_variance.estimator_advantages(rewards, mask, group_size=4)
+    col = {k: v[:, 0] for k, v in adv.items()}
+    torch.testing.assert_close(col["none"], rewards)
+    torch.testing.assert_close(col["batch-mean"], rewards - 0.375)
+    torch.testing.assert_close(col["rloo"], torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3, 0.5 + 1 / 6, 0.5 + 1 / 6,
+                                                          -2 / 3, -2 / 3]))
+    std1, std2 = torch.tensor([1.0, 0, 0, 0]).std(), torch.tensor([1.0, 1, 0, 0]).std()
+    torch.testing.assert_close(col["grpo"], torch.tensor([0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5])
+                               / torch.tensor([std1] * 4 + [std2] * 4).add(1e-4))
+    torch.testing.assert_close(col["dr-grpo"], col["rloo"] * 3 / 4)  # R - mean = (K-1)/K (R - mean of others)
+    # with ratio 1 every loss is -agg(A * logp): GRPO's clipped surrogate gives REINFORCE's gradient
+    logprobs = torch.randn(8, 2, requires_grad=True)
+    grads = {}
+    for name in ("rloo", "dr-grpo"):
+        loss = gradient_variance.estimator_loss(name, logprobs, adv[name], mask, "seq-mean-token-sum")
+        grads[name] = torch.autograd.grad(loss, logprobs)[0]
+    torch.testing.assert_close(grads["dr-grpo"], grads["rloo"] * 3 / 4)
+    torch.testing.assert_close(grads["rloo"], -adv["rloo"] / 8)
+
+
+def test_optimal_baseline():
+    s = gradient_variance.score_norm_stats([(1.0, 2.0), (0.0, 6.0), (0.0, 2.0)])
+    assert s["optimal_baseline"] == pytest.approx(2.0 / 10.0)  # E[R |s|^2] / E[|s|^2]
+    assert s["mean_sq_norm_reward_1"] == 2.0 and s["mean_sq_norm_reward_0"] == 4.0
+    assert s["mean_sq_norm_partial"] is None and s["count_partial"] == 0
+    s = gradient_variance.score_norm_stats([(1.0, 2.0), (0.0, 6.0), (0.0, 2.0), (0.5, 4.0)])  # partial credit
+    assert s["optimal_baseline"] == pytest.approx((2.0 + 0.5 * 4.0) / 14.0) and s["mean_reward"] == 0.375
+    assert s["mean_sq_norm_partial"] == 4.0 and s["count_partial"] == 1 and s["mean_sq_norm_reward_0"] == 4.0
+
+
+# ----------------------------------------------------------------- the lecture on two tasks
+def scaled(metrics, factor):
+    """The same run with every accuracy and reward times factor."""
+    out = []
+    for m in metrics:
+        m = dict(m)
+        for k in ("eval/accuracy", "reward/mean"):
+            if k in m:
+                m[k] *= factor
+        out.append(m)
+    return out
+
+
+def fake_variance(tasks):
+    est = {}
+    for name, ratio in (("none", 1.0), ("batch-mean", 0.5), ("rloo", 0.4), ("grpo", 2.0), ("dr-grpo", 0.4)):
+        est[name] = {"label": gradient_variance.ESTIMATORS[name], "relative_variance": 3.0 * ratio,
+                     "relative_variance_vs_reference": ratio, "ratio_interval": [ratio * 0.8, ratio * 1.2],
+                     "cosine_to_mean": 0.5}
+    return {"tasks": {t: {"reward_kind": kind, "estimators": est, "findings": [f"variance finding on {t}"]}
+                      for t, kind in tasks.items()},
+            "markdown_parts": {"side_by_side": "| side | by side |\n", "note": "", "diagnostic": "",
+                               "diagnostic_note": ""}}
+
+
+def test_lecture_on_both_tasks_from_run_folders(tmp_path):
+    runs = tmp_path / "runs"
+    lecture = [(c, label) for c, label in compare.LECTURE]
+    for cfg, _ in lecture:  # sort: the main comparison's runs
+        for seed, metrics in SEEDS.items():
+            write_run(runs / cfg.name / f"seed{seed}", metrics)
+    partial = compare.lecture_configs("sort-partial")
+    assert [c.name for c, _ in partial] == [f"sort-partial/{c.name}" for c, _ in lecture]
+    assert partial[0][0].flags == ("--baseline", "none", "--task", "sort-partial")
+    for cfg, _ in partial:  # no baseline: every seed at 0.4x, below every seed of the others
+        factor = 0.4 if cfg.name.endswith("no-baseline") else 1.0
+        for seed, metrics in SEEDS.items():
+            write_run(runs / cfg.name / f"seed{seed}", scaled(metrics, factor))
+    seeds = [0, 1, 2]
+    cmp = {"task": "sort", "settings": {"steps": 2},
+           "algorithms": compare.collect([c for c, _ in lecture], seeds, runs, {}, 0.8),
+           "lecture": [[c.name, label] for c, label in lecture],
+           "lecture_tasks": {"sort-partial": {"algorithms": compare.collect([c for c, _ in partial], seeds, runs, {},
+                                                                            0.8),
+                                              "lecture": [[c.name, label] for c, label in partial]}}}
+    variance = fake_variance({"sort": "0/1", "sort-partial": "partial credit"})
+    tasks = ["sort", "sort-partial"]
+    task_rows = {t: bench_run.lecture_rows(cmp, t, variance) for t in tasks}
+    assert [r["name"] for r in task_rows["sort-partial"]] == [c.name for c, _ in lecture] + ["dr-grpo"]
+    md = bench_run.lecture_markdown(cmp, tasks, task_rows, variance, 0.8)
+    sections = md.split("#### ")
+    assert sections[1].startswith("`sort`: 0/1 reward") and sections[2].startswith("`sort-partial`: partial credit")
+    for section in sections[1:3]:
+        table = [line for line in section.splitlines() if line.startswith("|")]
+        assert len(table) == 2 + 5 and all(line.count("|") == table[0].count("|") for line in table)
+        assert "| REINFORCE, batch-mean baseline | 0.67 ± 0.25 |" in section and "0.50x (0.40-0.60)" in section
+    # sort: identical runs overlap; sort-partial: no baseline below every seed of the other three
+    assert ("- Held-out exact accuracy after 2 steps (mean ± std over 3 seeds): no baseline 0.67 ± 0.25; batch mean "
+            "0.67 ± 0.25; RLOO 0.67 ± 0.25; GRPO 0.67 ± 0.25.") in sections[1]
+    assert ("- Its seeds overlap those of REINFORCE with the batch-mean baseline, RLOO and GRPO (no difference "
+            "beyond the spread over 3 seeds).") in sections[1]
+    assert ("- Every seed of REINFORCE without a baseline ends below every seed of REINFORCE with the batch-mean "
+            "baseline, RLOO and GRPO.") in sections[2]
+    assert "- variance finding on sort-partial" in sections[2] and "| side | by side |" in md
+    drawn = bench_run.plot_lecture(task_rows, variance, tmp_path / "lecture.png", 0.8)
+    labels = [label for _, label in lecture]
+    assert drawn["lines"] == {"sort": [labels, labels], "sort-partial": [labels, labels]}
+    assert drawn["bars"]["sort-partial"] == ["batch mean", "RLOO", "GRPO", "Dr. GRPO"]
+    assert png_size(tmp_path / "lecture.png") == (1500, 770)
+
+
+# ----------------------------------------------------------------- quick mode end to end
+def png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", f"{path} is not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+def run_benchmark(out):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--mode", "quick", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+
+
+def test_quick_mode_end_to_end(tmp_path):
+    out = tmp_path / "quick"
+    r = run_benchmark(out)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    present = [c for c in compare.ALGORITHMS if (ROOT / c.script).exists()]
+    assert len(present) >= 5  # the five scripts of the repository (ppo.py once it exists)
+
+    # the table: one row per algorithm, the expected columns, numbers where the script exists
+    lines = [line for line in (out / "table.md").read_text().splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    for column in ["algorithm", "held-out acc. start", "end", "steps to 0.8", "train time to 0.8 (s)", "steps/s",
+                   "tokens/s", "peak mem. (GiB)"]:
+        assert column in header, header
+    rows = {row.split("|")[1].strip(): [c.strip() for c in row.strip("|").split("|")] for row in lines[2:]}
+    assert list(rows) == [c.label for c in compare.ALGORITHMS]
+    for cfg in present:
+        cells = dict(zip(header, rows[cfg.label]))
+        assert 0 <= float(cells["held-out acc. start"]) <= 1 and float(cells["steps/s"]) > 0, cells
+        assert not (out / "runs" / cfg.name / "seed0" / "final").exists()  # no model folders kept
+    time_rows = [line for line in (out / "time_breakdown.md").read_text().splitlines() if line.startswith("|")]
+    assert len(time_rows) == 2 + len(present)
+
+    # the plots: valid PNGs, one line per algorithm in every panel
+    results = json.loads((out / "results.json").read_text())
+    assert png_size(out / "curves.png") == (1000, 740)
+    assert results["plots"]["curves.png"]["lines"] == [[c.label for c in present]] * 4
+    assert png_size(out / "lecture.png") == (1500, 770)
+    lecture = results["plots"]["lecture.png"]
+    assert lecture["tasks"] == ["sort", "sort-partial"]
+    assert lecture["lines"]["sort"] == [[label for _, label in compare.LECTURE]] * 2
+    assert lecture["lines"]["sort-partial"] == [["REINFORCE, no baseline"]] * 2  # quick mode: one estimator there
+    assert lecture["bars"]["sort"] == lecture["bars"]["sort-partial"] == ["batch mean", "RLOO", "GRPO", "Dr. GRPO"]
+    assert png_size(out / "time_breakdown.png")[0] == 1000
+
+    # every number is in results.json, with where and how it was measured
+    assert set(results["compare"]["algorithms"]) == {c.name for c in compare.ALL_CONFIGS}
+    for cfg in present:
+        assert results["compare"]["algorithms"][cfg.name]["status"] == "ok"
+    engines = results["rollout_engines"]["sizes"][0]
+    assert engines["vllm"]["completions_per_s"] > 0 and engines["transformers"]["completions_per_s"] > 0
+    partial = results["compare"]["lecture_tasks"]["sort-partial"]["algorithms"]
+    assert list(partial) == ["sort-partial/reinforce-no-baseline"] and partial[list(partial)[0]]["status"] == "ok"
+    assert (out / "runs" / "sort-partial" / "reinforce-no-baseline" / "seed0" / "metrics.jsonl").exists()
+    variance = results["gradient_variance"]["tasks"]
+    assert list(variance) == ["sort", "sort-partial"]
+    for task, d in variance.items():
+        assert set(d["estimators"]) == {"none", "batch-mean", "rloo", "grpo", "dr-grpo"}, task
+        assert d["shared_samples_with"] == [t for t in variance if t != task]  # the same completions
+        assert d["findings"] and d["score_norms"]["optimal_baseline"] is not None
+    assert variance["sort"]["reward_kind"] == "0/1"
+    assert variance["sort-partial"]["mean_reward"] >= variance["sort"]["mean_reward"]  # partial credit >= 0/1
+    lecture_md = (out / "lecture.md").read_text()
+    for task in ("sort", "sort-partial"):
+        section = lecture_md.split(f"#### `{task}`")[1].split("####")[0]
+        rows = [line for line in section.splitlines() if line.startswith("|")]
+        assert len(rows) == 2 + 5, section  # four estimators and Dr. GRPO's gradient variance
+        assert "- REINFORCE, batch-mean baseline: relative gradient variance" in section
+    assert "not run" in lecture_md.split("#### `sort-partial`")[1]  # the three estimators quick mode skips there
+    report = (out / "report.md").read_text()
+    assert "Command: `python benchmarks/run.py --mode quick" in report and "Measured" in report
+    assert results["environment"]["cpu_cores"] >= 1 and results["environment"]["git_commit"]
+
+    # the same command again reuses every finished run and part
+    r = run_benchmark(out)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    # + reinforce without baseline, on sort and on sort-partial, and 2 parts
+    assert r.stdout.count(": reused") == len(present) + 1 + 1 + 2, r.stdout
