@@ -37,9 +37,13 @@ PART_ARGS = {
     "quick": {"engines": ["--sizes", "8x4", "--repeats", "2"],
               "variance": ["--prompts", "4", "--completions", "4", "--batches", "4", "--score-norm-batches", "1"]},
     "full": {"engines": ["--sizes", "32x8", "128x8", "--repeats", "5"],
-             "variance": ["--prompts", "8", "--completions", "8", "--batches", "64", "--score-norm-batches", "2"]},
+             "variance": ["--prompts", "8", "--completions", "8", "--batches", "64", "--score-norm-batches", "2"],
+             # the same comparison on a real 135M instruct model with longer completions (full mode only)
+             "engines-smollm2": ["--model", "smollm2-135m-instruct", "--task", "basic_arithmetic",
+                                 "--sizes", "8x4", "32x4", "--max-new-tokens", "64", "--repeats", "3"]},
 }
 PART_SCRIPTS = {"engines": ("rollout_engines.py", "rollout_engines.json"),
+                "engines-smollm2": ("rollout_engines.py", "smollm2/rollout_engines.json"),
                 "variance": ("gradient_variance.py", "gradient_variance.json")}
 # compare.py run name -> gradient_variance.py estimator
 LECTURE_ESTIMATOR = {"reinforce-no-baseline": "none", "reinforce": "batch-mean", "rloo": "rloo", "grpo": "grpo"}
@@ -58,8 +62,8 @@ def run_part(part: str, mode: str, out: Path, force: bool, extra: list[str]) -> 
     """Run rollout_engines.py or gradient_variance.py in its own process (each loads vLLM or
     the scripts, which change process-wide settings); reuse its JSON if the command matches."""
     script, result = PART_SCRIPTS[part]
-    argv = [*PART_ARGS[mode][part], *extra, "--out", str(out)]
     path = out / result
+    argv = [*PART_ARGS[mode][part], *extra, "--out", str(path.parent)]
     if path.exists() and not force:
         data = json.loads(path.read_text())
         if data.get("argv") == argv:
@@ -273,7 +277,7 @@ def plot_lecture(task_rows: dict[str, list[dict]], variance: dict | None, path: 
 
 
 def build_report(env: dict, mode: str, cmp: dict | None, engines: dict | None, variance: dict | None,
-                 lecture_md: str | None, elapsed: float) -> str:
+                 lecture_md: str | None, elapsed: float, engines_real: dict | None = None) -> str:
     measured = sum((d or {}).get("wall_s", 0.0) for d in (engines, variance)) + (cmp or {}).get("runs_process_s", 0.0)
     reused = (cmp or {}).get("runs_reused", 0) + sum(bool(d and d.get("_reused")) for d in (engines, variance))
     duration = (f"Duration: {elapsed / 60:.1f} min" + (f"; {reused} results were reused from an earlier run of the "
@@ -287,6 +291,9 @@ def build_report(env: dict, mode: str, cmp: dict | None, engines: dict | None, v
                   "![share of each part of a training step](time_breakdown.png)\n"]
     if engines:
         parts += ["### Rollout engine: vLLM against transformers `generate`\n", engines["markdown"]]
+    if engines_real:
+        parts += ["The same comparison on SmolLM2-135M-Instruct (`basic_arithmetic` prompts in its chat "
+                  "template, up to 64 new tokens):\n", engines_real["markdown"]]
     if lecture_md:
         parts += ["### The policy-gradient lecture's claim: baselines and gradient variance\n", lecture_md]
         if (Path(env["_out"]) / "lecture.png").exists():
@@ -345,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
             settings[k] = getattr(args, k)
     tasks = list(dict.fromkeys([compare.DEFAULT_TASK, *settings["lecture_tasks"]]))
     engines = run_part("engines", args.mode, out, args.force, model_flags) if "engines" in args.parts else None
+    engines_real = (run_part("engines-smollm2", args.mode, out, args.force, [])
+                    if "engines" in args.parts and "engines-smollm2" in PART_ARGS[args.mode] and not args.model
+                    else None)
     variance = (run_part("variance", args.mode, out, args.force, [*model_flags, "--task", *tasks])
                 if "variance" in args.parts else None)
     cmp = None
@@ -359,14 +369,18 @@ def main(argv: list[str] | None = None) -> int:
         if any(row["aggregate"] or row["variance"] for rows in task_rows.values() for row in rows):
             plots["lecture.png"] = plot_lecture(task_rows, variance, out / "lecture.png", args.target)
         (out / "lecture.md").write_text(f"{lecture_md}\n{provenance_md(env)}")
-    report = build_report({**env, "_out": str(out)}, args.mode, cmp, engines, variance, lecture_md, elapsed)
+    report = build_report({**env, "_out": str(out)}, args.mode, cmp, engines, variance, lecture_md, elapsed,
+                          engines_real)
     (out / "report.md").write_text(report)
     write_json(out / "results.json", {"environment": env, "mode": args.mode, "elapsed_s": elapsed, "compare": cmp,
-                                      "rollout_engines": engines, "gradient_variance": variance, "plots": plots})
+                                      "rollout_engines": engines, "rollout_engines_smollm2": engines_real,
+                                      "gradient_variance": variance, "plots": plots})
     if args.update_readme:
         update_readme(args.update_readme, report, out)
     print(f"\nbenchmarks done in {elapsed / 60:.1f} min: {out / 'report.md'}", flush=True)
     failed = [part for part, data in (("engines", engines), ("variance", variance)) if part in args.parts and not data]
+    if "engines" in args.parts and "engines-smollm2" in PART_ARGS[args.mode] and not args.model and not engines_real:
+        failed.append("engines-smollm2")
     if cmp:
         every = [*cmp["algorithms"].items(), *(item for o in cmp["lecture_tasks"].values()
                                                for item in o["algorithms"].items())]
