@@ -160,12 +160,12 @@ def load_critic(name_or_path: str, tokenizer, dtype: str, device: str, gradient_
     first values are 0 and the first advantages are Monte-Carlo returns."""
     critic, info = AutoModelForSequenceClassification.from_pretrained(
         resolve_model(name_or_path), num_labels=1, dtype=DTYPES[dtype], output_loading_info=True)
+    need(critic.get_input_embeddings().num_embeddings >= len(tokenizer),
+         f"critic {name_or_path!r}: its vocabulary is smaller than the policy's tokenizer (it reads the same ids)")
     need(isinstance(getattr(critic, "score", None), torch.nn.Linear),
          f"critic {name_or_path!r}: expected a model with a linear `score` head (Llama/Qwen/Mistral/GPT-2 style)")
     if any(k.startswith("score.") for k in info["missing_keys"]):
         torch.nn.init.zeros_(critic.score.weight)
-    if len(tokenizer) > critic.get_input_embeddings().num_embeddings:
-        critic.resize_token_embeddings(len(tokenizer))  # the critic reads the policy's token ids
     if gradient_checkpointing:
         critic.gradient_checkpointing_enable()
         critic.config.use_cache = False

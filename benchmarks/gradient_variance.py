@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 import torch  # noqa: E402
 
-from benchmarks.util import ROOT, environment, fmt, markdown_table, provenance_md, write_json  # noqa: E402
+from benchmarks.util import ROOT, environment, fmt, markdown_table, write_part  # noqa: E402
 
 ESTIMATORS = {
     "none": "REINFORCE, no baseline",
@@ -442,10 +442,7 @@ def main(argv=None) -> dict:
     data["markdown_parts"] = {"side_by_side": side_by_side_table(results), "note": note,
                               "diagnostic": diagnostic_table(results), "diagnostic_note": diag_note,
                               "findings": findings, "details": details}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gradient_variance.md").write_text(f"{data['markdown']}\n{provenance_md(env)}")
-    write_json(args.out / "gradient_variance.json", data)
-    print(f"\n{data['markdown']}\nwrote {args.out / 'gradient_variance.md'}", flush=True)
+    write_part(args.out, "gradient_variance", data["markdown"], data, env)
     return data
 
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 import torch  # noqa: E402
 
-from benchmarks.util import ROOT, environment, fmt, markdown_table, provenance_md, write_json  # noqa: E402
+from benchmarks.util import ROOT, environment, fmt, markdown_table, write_part  # noqa: E402
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -160,10 +160,7 @@ def main(argv=None) -> dict:
     data["argv"] = list(sys.argv[1:] if argv is None else argv)
     data["wall_s"] = time.perf_counter() - t_main
     data["markdown"] = f"{table}\n{note}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "rollout_engines.md").write_text(f"{table}\n{note}\n{provenance_md(env)}")
-    write_json(args.out / "rollout_engines.json", data)
-    print(f"\n{table}\n{note}\nwrote {args.out / 'rollout_engines.md'}", flush=True)
+    write_part(args.out, "rollout_engines", data["markdown"], data, env)
     return data
 
 

@@ -147,3 +147,12 @@ def write_json(path, data) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=2, default=str)
         f.write("\n")
+
+
+def write_part(out, name: str, markdown: str, data: dict, env: dict) -> None:
+    """A benchmark part's outputs: NAME.md (its markdown and the provenance) and NAME.json."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(f"{markdown}\n{provenance_md(env)}")
+    write_json(out / f"{name}.json", data)
+    print(f"\n{markdown}\nwrote {out / (name + '.md')}", flush=True)

@@ -139,12 +139,18 @@ def check_model(name_or_path: str):
 def load_tokenizer(name_or_path: str):
     """The tokenizer, left-padded (prompts end where completions start) with a pad token.
 
-    A pad token equal to EOS would make padding masks hide real EOS tokens, so when the
-    tokenizer has no pad token we add a new one instead of reusing EOS."""
+    Padding is found by position (common.ops.make_batch), never by token id, so a pad id
+    equal to EOS cannot mask a real EOS. Without a pad token (or with pad == EOS) we still
+    prefer an existing special token that ends nothing, else EOS. We never add a token: the
+    vocabulary of vLLM's copy of the model cannot grow, and weight sync would fail."""
+    from common.tasks import stop_token_ids
+
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(name_or_path))
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+        stops = set(stop_token_ids(tokenizer))
+        candidates = [i for i in tokenizer.all_special_ids if i not in stops]
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(candidates[0] if candidates else tokenizer.eos_token_id)
     return tokenizer
 
 
@@ -152,8 +158,6 @@ def load_policy(name_or_path: str, tokenizer, dtype: str = "float32", device: st
                 gradient_checkpointing: bool = False) -> PreTrainedModel:
     """The trainable policy, in train mode (dropout off: these models have none enabled)."""
     model = AutoModelForCausalLM.from_pretrained(resolve_model(name_or_path), dtype=DTYPES[dtype])
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))  # a pad token we added
     model.to(device or default_device())
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()

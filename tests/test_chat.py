@@ -88,7 +88,9 @@ def test_end_of_turn_and_stop_tokens(tmp_path, tokenizer):
     assert tok.eos_token_id == 0
     assert end_of_turn_token_ids(tok) == [1]  # <|im_end|>, read off the rendered template
     assert stop_token_ids(tok) == [0, 1]
-    assert tok.pad_token_id not in stop_token_ids(tok)  # load_tokenizer added a pad: pad was EOS
+    # no pad token of its own and no spare special token: padding reuses EOS (padding is found
+    # by position) and nothing is added to the vocabulary, which vLLM's copy could not take
+    assert tok.pad_token_id == tok.eos_token_id and len(tok) == 98
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +139,20 @@ def test_evaluate_uses_the_template_and_stop_tokens(eot_engine):
     assert stopped["eval/accuracy"] > 0
     with pytest.raises(ConfigError, match="system prompt needs a chat template"):
         evaluate(llm, tok, task, 12, chat_template=False, system_prompt="Sort.")
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "gspo.py", "cispo.py", "reinforce.py", "rloo.py", "ppo.py"])
+def test_every_script_stops_rollouts_at_end_of_turn(script, tmp_path):
+    """A model whose EOS is <|endoftext|> and whose turns end with <|im_end|>: a script that
+    did not pass the stop tokens to vLLM would see every completion run to max_new_tokens.
+    Its pad is EOS (no other special token), and the weight sync must still work."""
+    from tests.test_grpo_e2e import read_metrics, run_script
+
+    model = model_copy(tmp_path / "model", PLAIN_TURNS, eos="<|endoftext|>")
+    out = tmp_path / "run"
+    r = run_script(script, "--model", model, "--steps", "1", "--prompts-per-step", "4", "--completions-per-prompt", "4",
+                   "--max-new-tokens", "12", "--micro-batch-size", "8", "--output-dir", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    step = read_metrics(out)[1]
+    assert step["response/truncated_frac"] < 0.5, step
+    assert step["rollout/logprob_mismatch"] < 1e-3
