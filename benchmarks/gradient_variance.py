@@ -1,35 +1,28 @@
-"""The policy-gradient lecture's claim, measured: a baseline keeps the expected gradient
-and lowers its variance. REINFORCE without a baseline, with the batch-mean baseline, RLOO's
-leave-one-out baseline and GRPO's group normalization, on the same samples.
+"""The policy-gradient lecture's claim, measured (a part of benchmarks/run.py): a baseline keeps
+the expected gradient and lowers its variance. REINFORCE without a baseline, with the batch-mean
+baseline, RLOO's leave-one-out baseline and GRPO's group normalization, on the same samples.
 
-    python benchmarks/gradient_variance.py                          # 64 batches of 8 prompts x 8 completions
-    python benchmarks/gradient_variance.py --task sort sort-partial # both rewards on the same completions
-    python benchmarks/gradient_variance.py --batches 8              # faster
+A fixed set of prompts from the task is drawn once. Each of --batches batches samples fresh
+completions for those prompts from the initial policy (transformers, temperature T), scores
+them with the task's reward, and computes each estimator's policy gradient with the scripts'
+own functions (reinforce.compute_advantages / update_baseline, rloo.compute_advantages,
+grpo.compute_advantages, and their compute_loss at ratio 1: one on-policy step, no clipping,
+no KL). Every estimator sees the same samples and loss aggregation; only the advantage
+differs. Tasks with the same prompts (sort and sort-partial) are measured on the very same
+completions: only the reward differs. Over the batches, per task and estimator:
 
-A fixed set of prompts from the task is drawn once. Each of --batches batches samples
-fresh completions for those prompts from the initial policy (transformers, temperature T),
-scores them with the task's reward, and computes the policy gradient of each estimator
-with the scripts' own functions (reinforce.compute_advantages / update_baseline,
-rloo.compute_advantages, grpo.compute_advantages, and their compute_loss at ratio 1: one
-on-policy step, no clipping, no KL). Every estimator sees the same samples and the same
-loss aggregation; only the advantage differs. Tasks with the same prompts (sort and
-sort-partial) are measured on the very same completions: only the reward differs. Over the
-batches, per task and estimator:
-
-    trace of the covariance     tr Cov[g] = sum over parameters of the variance across batches
+    tr Cov[g]                   sum over parameters of the variance across batches
     relative variance           tr Cov[g] / |E g|^2, |E g|^2 estimated without bias as |mean g|^2 - tr Cov / N;
                                 scale-free, so GRPO's 1/std scaling does not distort it
     vs. no baseline             relative variance / that of REINFORCE without a baseline, with a 95%
                                 percentile bootstrap interval (batches resampled, the same for every estimator)
-    cosine to the mean          mean over batches of cos(g_b, mean of the other batches' g): how well one
-                                batch points where the estimator points on average
+    cosine to the mean          mean over batches of cos(g_b, mean of the other batches' g)
     cosine to no-baseline mean  cos(mean g, mean g of REINFORCE without a baseline): a baseline must not
                                 change the expected direction (GRPO's per-prompt 1/std reweights it)
-    b*                          the variance-optimal constant baseline E[R |grad log p|^2] / E[|grad log p|^2]
+    b*                          the variance-optimal constant baseline E[R |grad log p|^2] / E[|grad log p|^2],
                                 against the mean reward (which the batch-mean baseline subtracts)
 
-Writes gradient_variance.md (the tasks side by side, sentences generated from the numbers,
-then every statistic per task) and gradient_variance.json to --out.
+run.py starts it in its own process (importing the scripts imports vLLM) and reads --json.
 """
 
 import os
@@ -46,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 import torch  # noqa: E402
 
-from benchmarks.util import ROOT, environment, fmt, markdown_table, write_part  # noqa: E402
+from benchmarks.rollout_engines import hf_generate  # noqa: E402
+from benchmarks.util import environment, write_json  # noqa: E402
 
 ESTIMATORS = {
     "none": "REINFORCE, no baseline",
@@ -196,63 +190,6 @@ def reward_kind(rewards: torch.Tensor) -> str:
     return "partial credit" if bool(((rewards >= 0) & (rewards <= 1)).all()) else "real-valued"
 
 
-def ratio_phrase(ratio: float, interval: tuple[float, float]) -> str:
-    """'2.3 times lower (...)' / '1.8 times higher (...)' / 'no clear difference (...)'."""
-    lo, hi = interval
-    ci = f"ratio {ratio:.2f}, 95% bootstrap interval {lo:.2f}-{hi:.2f}"
-    if hi < 1:
-        return f"{1 / ratio:.1f} times lower ({ci})"
-    if lo > 1:
-        return f"{ratio:.1f} times higher ({ci})"
-    return f"no clear difference ({ci} includes 1)"
-
-
-def variance_findings(task: str, d: dict) -> list[str]:
-    """Sentences stating what was measured on one task, generated from its numbers."""
-    est = d["estimators"]
-    out = []
-    for name in ("batch-mean", "rloo", "grpo"):  # the lecture's baselines (Dr. GRPO: RLOO's numbers, see the note)
-        if name in est:
-            s = est[name]
-            out.append(f"{s['label']}: relative gradient variance {s['relative_variance']:.3g} against "
-                       f"{est['none']['relative_variance']:.3g} without a baseline, "
-                       f"{ratio_phrase(s['relative_variance_vs_reference'], s['ratio_interval'])}.")
-    sn = d["score_norms"]
-    if sn["completions"] and sn["optimal_baseline"] is not None and sn["mean_reward"]:
-        b, m = sn["optimal_baseline"], sn["mean_reward"]
-        text = (f"The variance-optimal constant baseline b* = {b:.2f} against the mean reward {m:.2f} of the same "
-                f"{sn['completions']} completions (b*/mean {b / m:.2f}; b* − mean R = Cov(R, ‖∇ log p‖²) / "
-                f"E‖∇ log p‖² = {round(b - m, 2) + 0.0:+.2f})")
-        if 0.8 <= b / m <= 1.25:
-            text += ": a baseline at the mean reward is close to the variance-optimal constant"
-        else:
-            text += (f": reward and ‖∇ log p(y)‖² are {'negatively' if b < m else 'positively'} correlated, so a "
-                     f"baseline at the mean reward is {'above' if b < m else 'below'} the variance-optimal constant")
-        parts = [(k, lab) for k, lab in (("reward_1", "R = 1"), ("partial", "0 < R < 1"), ("reward_0", "R = 0"))
-                 if sn[f"mean_sq_norm_{k}"] is not None]
-        if parts:
-            text += "; mean ‖∇ log p‖²: " + ", ".join(f"{fmt(sn[f'mean_sq_norm_{k}'], 0)} for {lab}"
-                                                     for k, lab in parts)
-        out.append(text + ".")
-    return out
-
-
-@torch.no_grad()
-def sample_completions(policy, tokenizer, prompt_ids, n: int, max_new_tokens: int, temperature: float):
-    """n sampled completions per prompt (consecutive), each up to and including its EOS."""
-    width = max(len(p) for p in prompt_ids)
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids])
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
-    out = policy.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=temperature,
-                          top_k=0, top_p=1.0, num_return_sequences=n, max_new_tokens=max_new_tokens,
-                          pad_token_id=pad, eos_token_id=eos)
-    completions = []
-    for row in out[:, width:].tolist():
-        completions.append(row[:row.index(eos) + 1] if eos in row else row)
-    return completions
-
-
 def measure(policy, tokenizer, params, tasks: dict, examples: dict, args) -> dict:
     """Gradients of every estimator on --batches batches for tasks that share their prompts:
     each batch's completions are sampled and scored by the policy once, and every task's
@@ -272,7 +209,7 @@ def measure(policy, tokenizer, params, tasks: dict, examples: dict, args) -> dic
     torch.manual_seed(args.seed)  # the same samples whichever tasks are measured together
     t0 = time.perf_counter()
     for b in range(args.batches):
-        completions = sample_completions(policy, tokenizer, prompt_ids, G, args.max_new_tokens, args.temperature)
+        completions = hf_generate(policy, tokenizer, prompt_ids, G, args.max_new_tokens, args.temperature)
         texts = [tokenizer.decode([t for t in c if t != eos], skip_special_tokens=True) for c in completions]
         input_ids, attention_mask, mask = make_batch([p for p in prompt_ids for _ in range(G)], completions,
                                                      tokenizer.pad_token_id, "cpu")
@@ -305,72 +242,22 @@ def measure(policy, tokenizer, params, tasks: dict, examples: dict, args) -> dic
         intervals = bootstrap_ratio_intervals(grams, seed=args.seed)
         rewards = torch.stack(rewards_all[t])  # [batches, prompts * G]
         grouped = rewards.view(args.batches, args.prompts, G)
-        d = {"mean_reward": rewards.mean().item(), "reward_kind": reward_kind(rewards),
+        out[t] = {"mean_reward": rewards.mean().item(), "reward_kind": reward_kind(rewards),
              "partial_frac": ((rewards > 0) & (rewards < 1)).float().mean().item(),
              "groups_all_equal_frac": (grouped.max(-1).values == grouped.min(-1).values).float().mean().item(),
              "shared_samples_with": [u for u in names if u != t], "seconds": seconds,
              "estimators": {name: {"label": ESTIMATORS[name], **s, "ratio_interval": list(intervals[name])}
                             for name, s in stats.items()},
              "score_norms": score_norm_stats(score_norms[t])}
-        d["findings"] = variance_findings(t, d)
-        out[t] = d
         grads[t] = None  # free the stored gradients before the next task's statistics
     return out
-
-
-def task_table(d: dict) -> str:
-    """Every statistic of one task's estimators."""
-    header = ["estimator", "relative variance tr Cov / ‖E g‖²", "vs. no baseline (95% interval)", "tr Cov (raw)",
-              "‖mean g‖", "cos(g_batch, mean g)", "cos(mean g, mean g no baseline)"]
-    rows = [[s["label"], f"{s['relative_variance']:.3g}", ratio_cell(s), f"{s['trace_cov']:.3g}",
-             f"{s['mean_grad_norm']:.3g}", f"{s['cosine_to_mean']:.2f}", f"{s['cosine_mean_vs_reference']:.2f}"]
-            for s in d["estimators"].values()]
-    return markdown_table(header, rows)
-
-
-def ratio_cell(s: dict) -> str:
-    lo, hi = s["ratio_interval"]
-    return f"{s['relative_variance_vs_reference']:.2f}x ({lo:.2f}-{hi:.2f})"
-
-
-def side_by_side_table(results: dict) -> str:
-    """One row per estimator, the relative variance and its ratio to no baseline per task."""
-    tasks = list(results)
-    header = ["estimator"]
-    for t in tasks:
-        header += [f"{t}: relative variance", f"{t}: vs. no baseline (95% interval)", f"{t}: cos(g_batch, mean g)"]
-    rows = []
-    for name, label in ESTIMATORS.items():
-        row = [label]
-        for t in tasks:
-            s = results[t]["estimators"][name]
-            row += [f"{s['relative_variance']:.3g}", ratio_cell(s), f"{s['cosine_to_mean']:.2f}"]
-        rows.append(row)
-    return markdown_table(header, rows)
-
-
-def diagnostic_table(results: dict) -> str:
-    """Per task: the rewards, and the variance-optimal constant baseline against the mean reward."""
-    header = ["task", "reward", "mean reward", "samples with 0 < R < 1", "groups with all-equal rewards",
-              "b* = E[R‖∇log p‖²] / E[‖∇log p‖²]", "mean R of the same completions",
-              "mean ‖∇log p‖²: R = 1", "0 < R < 1", "R = 0", "completions (R = 1 / partial / 0)"]
-    rows = []
-    for t, d in results.items():
-        sn = d["score_norms"]
-        rows.append([f"`{t}`", d["reward_kind"], f"{d['mean_reward']:.2f}", f"{100 * d['partial_frac']:.0f}%",
-                     f"{100 * d['groups_all_equal_frac']:.0f}%", fmt(sn["optimal_baseline"], 2),
-                     fmt(sn["mean_reward"], 2), fmt(sn["mean_sq_norm_reward_1"], 0),
-                     fmt(sn["mean_sq_norm_partial"], 0), fmt(sn["mean_sq_norm_reward_0"], 0),
-                     f"{sn['completions']} ({sn['count_reward_1']} / {sn['count_partial']} / {sn['count_reward_0']})"])
-    return markdown_table(header, rows)
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/tiny-sort")
-    p.add_argument("--task", nargs="+", default=["sort"],
-                   help="one or more tasks; tasks with the same prompts (sort, sort-partial) are measured on the "
-                        "same sampled completions, only the reward differs")
+    p.add_argument("--task", nargs="+", default=["sort", "sort-partial"],
+                   help="tasks with the same prompts (sort, sort-partial) share their sampled completions")
     p.add_argument("--prompts", type=int, default=8, help="fixed prompts per batch")
     p.add_argument("--completions", type=int, default=8, help="completions per prompt (the group)")
     p.add_argument("--batches", type=int, default=64, help="independent batches (gradient estimates)")
@@ -383,11 +270,10 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: nothing here is timed, and one thread never stalls on a busy machine)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "full")
+    p.add_argument("--json", type=Path, required=True, help="where to write the results")
     args = p.parse_args(argv)
     if args.batches < 2 or args.completions < 2:
         raise SystemExit("error: --batches and --completions must be >= 2")
-    args.task = list(dict.fromkeys(args.task))
     env = environment(None if argv is None else [__file__, *argv])
     t_main = time.perf_counter()
     from common.models import check_model, load_policy, load_tokenizer
@@ -398,51 +284,26 @@ def main(argv=None) -> dict:
     import rloo  # noqa: F401
 
     torch.set_num_threads(args.threads)
-    model_path = args.model if os.path.isabs(args.model) or not (ROOT / args.model).exists() else str(ROOT / args.model)
-    check_model(model_path)
-    tokenizer = load_tokenizer(model_path)
-    policy = load_policy(model_path, tokenizer, "float32", "cpu").eval()
+    check_model(args.model)
+    tokenizer = load_tokenizer(args.model)
+    policy = load_policy(args.model, tokenizer, "float32", "cpu").eval()
     params = [p for p in policy.parameters() if p.requires_grad]
     # the fixed prompts of each task; tasks with the same prompts share their samples
     tasks, examples, groups = {}, {}, {}
-    for name in args.task:
+    for name in dict.fromkeys(args.task):
         tasks[name] = load_task(name, seed=args.seed)
-        g = torch.Generator().manual_seed(args.seed)
-        idx = torch.randint(len(tasks[name].train), (args.prompts,), generator=g).tolist()
-        examples[name] = [tasks[name].train[i] for i in idx]
+        idx = torch.randint(len(tasks[name].train), (args.prompts,), generator=torch.Generator().manual_seed(args.seed))
+        examples[name] = [tasks[name].train[i] for i in idx.tolist()]
         groups.setdefault(tuple(e["prompt"] for e in examples[name]), []).append(name)
     results = {}
     for names in groups.values():
         results.update(measure(policy, tokenizer, params, {t: tasks[t] for t in names},
                                {t: examples[t] for t in names}, args))
-    results = {t: results[t] for t in args.task}
-
-    data = {"environment": env, "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "parameters": sum(p.numel() for p in params), "tasks": results}
-    shared = [t for t, d in results.items() if d["shared_samples_with"]]
-    note = (f"{args.batches} batches of the same {args.prompts} prompts x {args.completions} fresh completions "
-            f"(`{args.model}`, its initial weights, temperature {args.temperature}"
-            + (f"; {', '.join(f'`{t}`' for t in shared)} are measured on the very same completions, only the "
-               f"reward differs" if shared else "")
-            + f"). Same samples and the same loss aggregation (`{args.loss_agg}`) for every estimator; only the "
-            f"advantage differs. Relative variance tr Cov[g] / ‖E g‖² of one batch's gradient (lower: a batch "
-            f"points more reliably where the estimator points on average); 'vs. no baseline' is its ratio to "
-            f"REINFORCE without a baseline (below 1: the baseline lowers the variance), with a 95% percentile "
-            f"bootstrap interval over the batches. Dr. GRPO's gradient is RLOO's times (K-1)/K on every batch, so "
-            f"their scale-free numbers coincide. {data['parameters']:,} parameters.\n")
-    diag_note = ("b* is the constant baseline that minimizes tr Cov of (R − b) ∇log p(y), measured on the first "
-                 f"{args.score_norm_batches} batch(es); the batch-mean baseline subtracts roughly the mean reward.\n")
-    findings = "".join(f"\nOn `{t}` ({d['reward_kind']} reward, mean {d['mean_reward']:.2f}):\n\n"
-                       + "".join(f"- {line}\n" for line in d["findings"]) for t, d in results.items())
-    summary = f"{side_by_side_table(results)}\n{note}\n{diagnostic_table(results)}\n{diag_note}{findings}"
-    details = "".join(f"\nAll statistics on `{t}`:\n\n{task_table(d)}" for t, d in results.items())
-    data["argv"] = list(sys.argv[1:] if argv is None else argv)
-    data["wall_s"] = time.perf_counter() - t_main
-    data["markdown"] = f"{summary}{details}"
-    data["markdown_parts"] = {"side_by_side": side_by_side_table(results), "note": note,
-                              "diagnostic": diagnostic_table(results), "diagnostic_note": diag_note,
-                              "findings": findings, "details": details}
-    write_part(args.out, "gradient_variance", data["markdown"], data, env)
+    data = {"environment": env, "argv": list(sys.argv[1:] if argv is None else argv),
+            "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "parameters": sum(p.numel() for p in params), "tasks": {t: results[t] for t in tasks},
+            "wall_s": time.perf_counter() - t_main}
+    write_json(args.json, data)
     return data
 
 

@@ -1,22 +1,24 @@
-"""All benchmarks in one command: the six algorithms side by side (compare.py), vLLM against
-transformers generate (rollout_engines.py), and the policy-gradient lecture's baseline claim
-(gradient_variance.py plus the learning curves of its four estimators), on the 0/1 `sort`
-reward and on the partial-credit `sort-partial` reward.
+"""All benchmarks in one command, on the bundled tiny model and the default task `sort`:
 
-    python benchmarks/run.py --mode quick      # a few minutes: every part, smallest settings
-    python benchmarks/run.py --mode full       # the committed results (see benchmarks/README.md)
+1. the six algorithm scripts side by side, with the same budget and seeds, each a plain
+   `python <script>.py ...` subprocess: held-out accuracy, speed, memory, where a step's time goes;
+2. the policy-gradient lecture's claim (a baseline keeps the expected gradient and lowers its
+   variance): REINFORCE without / with the batch-mean baseline, RLOO and GRPO learning on `sort`
+   (0/1 reward) and `sort-partial` (partial credit), and their gradient variance on fixed batches
+   (gradient_variance.py);
+3. the rollout engine: vLLM as the scripts create it against transformers `generate`
+   (rollout_engines.py), on the tiny model and, in full mode, SmolLM2-135M-Instruct.
 
-Writes to benchmarks/results/<mode>/ (or --out): every part's own files, plus
-    report.md     all tables and plots, with the machine, date, commit and command
-    lecture.png   per task (sort, sort-partial): learning curves of the four estimators and
-                  each baseline's gradient variance relative to no baseline
-    lecture.md    the lecture comparison per task: tables, and what they show in sentences
-                  generated from the numbers
-    results.json  every number
-Finished parts and runs are reused when the same command is run again (--force reruns).
---update-readme README.md replaces the text between the README's
-`<!-- benchmarks:begin -->` and `<!-- benchmarks:end -->` lines with report.md, so the README
-shows exactly what the command produced.
+    python benchmarks/run.py --mode quick                    # every part, smallest settings: a few minutes
+    python benchmarks/run.py --mode full --update-readme     # the committed results: ~30-35 min
+    python benchmarks/run.py --mode full --report-only       # tables and plots again from results.json
+
+Writes to benchmarks/results/<mode>/ (or --out): results.json (every number, with where, when
+and how it was measured), report.md (every table), curves.png, time_breakdown.png, lecture.png,
+and runs/ (each run's folder and log, each part's JSON: scratch, not committed). The same
+command again reuses the runs and parts that finished (--force reruns them). --update-readme
+puts report.md between the `<!-- benchmarks:begin -->` and `<!-- benchmarks:end -->` lines of
+benchmarks/README.md, so that no number there is typed by hand.
 """
 
 from __future__ import annotations
@@ -24,282 +26,686 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-from benchmarks import compare  # noqa: E402
-from benchmarks.util import ROOT, environment, fmt_mean_std, markdown_table, provenance_md, write_json  # noqa: E402
+from benchmarks.util import (ROOT, environment, fmt, fmt_mean_std, markdown_table,  # noqa: E402
+                             provenance_md, write_json)
 
-PART_ARGS = {
-    "quick": {"engines": ["--sizes", "8x4", "--repeats", "2"],
-              "variance": ["--prompts", "4", "--completions", "4", "--batches", "4", "--score-norm-batches", "1"]},
-    "full": {"engines": ["--sizes", "32x8", "128x8", "--repeats", "5"],
-             "variance": ["--prompts", "8", "--completions", "8", "--batches", "64", "--score-norm-batches", "2"],
-             # the same comparison on a real 135M instruct model with longer completions (full mode only)
-             "engines-smollm2": ["--model", "smollm2-135m-instruct", "--task", "basic_arithmetic",
-                                 "--sizes", "8x4", "32x4", "--max-new-tokens", "64", "--repeats", "3"]},
-}
-PART_SCRIPTS = {"engines": ("rollout_engines.py", "rollout_engines.json"),
-                "engines-smollm2": ("rollout_engines.py", "smollm2/rollout_engines.json"),
-                "variance": ("gradient_variance.py", "gradient_variance.json")}
-# compare.py run name -> gradient_variance.py estimator
-LECTURE_ESTIMATOR = {"reinforce-no-baseline": "none", "reinforce": "batch-mean", "rloo": "rloo", "grpo": "grpo"}
-SHORT = {"none": "no baseline", "batch-mean": "batch mean", "rloo": "RLOO", "grpo": "GRPO", "dr-grpo": "Dr. GRPO"}
-NAMED = {"none": "REINFORCE without a baseline", "batch-mean": "REINFORCE with the batch-mean baseline",
-         "rloo": "RLOO", "grpo": "GRPO", "dr-grpo": "Dr. GRPO"}
-# what each task's reward is (definitions; every claim about them is generated from the numbers)
+
+@dataclass(frozen=True)
+class Config:
+    """One line in the comparison: a script plus the flags that make this variant."""
+    name: str          # its folder under runs/ and its key in results.json
+    label: str         # what tables and legends show
+    script: str
+    flags: tuple[str, ...] = ()
+
+
+# the six algorithms, each with its own default hyperparameters (reinforce's baseline spelled out)
+ALGORITHMS = [
+    Config("reinforce", "REINFORCE", "reinforce.py", ("--baseline", "batch-mean")),
+    Config("rloo", "RLOO", "rloo.py"),
+    Config("ppo", "PPO", "ppo.py"),
+    Config("grpo", "GRPO", "grpo.py"),
+    Config("gspo", "GSPO", "gspo.py"),
+    Config("cispo", "CISPO", "cispo.py"),
+]
+NO_BASELINE = Config("reinforce-no-baseline", "REINFORCE, no baseline", "reinforce.py", ("--baseline", "none"))
+# The lecture's four estimators, each with the gradient_variance.py estimator of the same advantage.
+# On `sort` they are the comparison's runs; on LECTURE_TASK (partial credit, never negative: without
+# a baseline every sample is reinforced, the lecture's setting) they run again with `--task`.
+LECTURE = [(NO_BASELINE, "none"), (ALGORITHMS[0], "batch-mean"), (ALGORITHMS[1], "rloo"), (ALGORITHMS[3], "grpo")]
+TASK, LECTURE_TASK = "sort", "sort-partial"
 TASK_NOTES = {"sort": "`sort`: reward 1 for the exact sorted digits, else 0",
               "sort-partial": "`sort-partial`: the same prompts and splits, reward = the fraction of positions "
                               "holding the right digit over the longer of completion and answer, 1 only for "
                               "the exact answer, never negative"}
+# gradient_variance.py's estimators: in tables, in sentences, on the bars of lecture.png
+LABEL = {"none": "REINFORCE, no baseline", "batch-mean": "REINFORCE, batch-mean baseline",
+         "rloo": "RLOO, leave-one-out baseline", "grpo": "GRPO, group mean / std",
+         "dr-grpo": "Dr. GRPO, R - group mean"}
+NAMED = {"none": "REINFORCE without a baseline", "batch-mean": "REINFORCE with the batch-mean baseline",
+         "rloo": "RLOO", "grpo": "GRPO"}
+SHORT = {"batch-mean": "batch mean", "rloo": "RLOO", "grpo": "GRPO", "dr-grpo": "Dr. GRPO"}
+
+# budgets: the same for every script, flags every script takes; the parts' own flags
+MODES = {
+    "quick": dict(seeds=[0], steps=2, prompts_per_step=8, completions_per_prompt=4, eval_every=1, jobs=2,
+                  lecture_estimators=["none"],  # on sort-partial only to check the path: a shorter test
+                  engines=["--sizes", "8x4", "--repeats", "2"],
+                  variance=["--prompts", "4", "--completions", "4", "--batches", "4", "--score-norm-batches", "1"]),
+    "full": dict(seeds=[0, 1, 2], steps=30, prompts_per_step=32, completions_per_prompt=8, eval_every=2, jobs=1,
+                 lecture_estimators=["none", "batch-mean", "rloo", "grpo"],
+                 engines=["--sizes", "32x8", "128x8", "--repeats", "5"],
+                 variance=["--prompts", "8", "--completions", "8", "--batches", "64", "--score-norm-batches", "2"],
+                 # the same engine comparison on a real 135M instruct model with longer completions
+                 engines_smollm2=["--model", "smollm2-135m-instruct", "--task", "basic_arithmetic", "--sizes", "8x4",
+                                  "32x4", "--max-new-tokens", "64", "--repeats", "3"]),
+}
+TARGET = 0.8  # held-out accuracy for "steps / time to target"
+TIME_PARTS = ["rollout", "logprobs", "train", "sync"]
+TIME_LABELS = {"rollout": "rollout (vLLM)", "logprobs": "old/ref log-probs", "train": "update",
+               "sync": "weight sync", "other": "other (reward, advantages, logging)"}
 BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
 
 
-def run_part(part: str, mode: str, out: Path, force: bool, extra: list[str]) -> dict | None:
-    """Run rollout_engines.py or gradient_variance.py in its own process (each loads vLLM or
-    the scripts, which change process-wide settings); reuse its JSON if the command matches."""
-    script, result = PART_SCRIPTS[part]
-    path = out / result
-    argv = [*PART_ARGS[mode][part], *extra, "--out", str(path.parent)]
-    if path.exists() and not force:
-        data = json.loads(path.read_text())
-        if data.get("argv") == argv:
-            print(f"{part}: reused {path}", flush=True)
-            return {**data, "_reused": True}
-    print(f"{part}: python benchmarks/{script} {' '.join(argv)}", flush=True)
+# ---------------------------------------------------------------------------------------
+# running: the scripts (runs) and the two parts, each in its own process
+# ---------------------------------------------------------------------------------------
+
+def lecture_configs(estimators: list[str]) -> list[Config]:
+    """The lecture's estimators on LECTURE_TASK: the script's own --task flag added."""
+    return [Config(f"{LECTURE_TASK}/{c.name}", c.label, c.script, (*c.flags, "--task", LECTURE_TASK))
+            for c, est in LECTURE if est in estimators]
+
+
+def budget_flags(s: dict) -> list[str]:
+    return ["--steps", str(s["steps"]), "--prompts-per-step", str(s["prompts_per_step"]),
+            "--completions-per-prompt", str(s["completions_per_prompt"]), "--eval-every", str(s["eval_every"]),
+            "--save-every", "0"]
+
+
+def _env(threads: int | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / script), *argv], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log, shown = [], False
-    for line in proc.stdout:  # show the part's own progress and table; keep vLLM's log for errors
-        log.append(line)
-        if line.startswith(("gradient variance", "rollout engines", "  vLLM", "|", "- ", "On `", "wrote", "error")):
-            print("    " + line.rstrip(), flush=True)
-            shown = True
-    proc.wait()
-    if proc.returncode != 0 or not path.exists():
-        print(f"{part}: FAILED (exit code {proc.returncode}); last lines:\n    " + "    ".join(log[-25:]), flush=True)
+    return {**env, "OMP_NUM_THREADS": str(threads)} if threads else env
+
+
+def _tail(log: Path, lines: int = 25) -> str:
+    return "    " + "\n    ".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+@dataclass
+class Run:
+    """One script run: `python <cmd>`, writing to `folder`."""
+    title: str
+    folder: Path
+    cmd: list[str]
+
+    @property
+    def log(self) -> Path:
+        return self.folder.with_suffix(".log")  # beside the folder: the scripts refuse a non-empty one
+
+
+def run_scripts(runs: list[Run], jobs: int, force: bool) -> dict[Path, dict]:
+    """Run the scripts `jobs` at a time; returns {folder: record}. A run whose folder holds the
+    outputs of the same command is reused, so that an interrupted benchmark continues."""
+    records, todo = {}, []
+    for i, run in enumerate(runs, 1):
+        marker = run.folder / "benchmark_run.json"
+        record = json.loads(marker.read_text()) if marker.exists() else {}
+        if record.get("args") == run.cmd and not force:
+            records[run.folder] = {**record, "reused": True}
+            print(f"[{i}/{len(runs)}] {run.title}: reused", flush=True)
+        else:
+            todo.append((i, run))
+    env = _env(max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None)  # share the cores, don't oversubscribe
+    active = []  # (i, run, process, start time)
+    try:
+        while todo or active:
+            while todo and len(active) < jobs:
+                i, run = todo.pop(0)
+                shutil.rmtree(run.folder, ignore_errors=True)  # a stale or different run: the script gets a new one
+                run.folder.parent.mkdir(parents=True, exist_ok=True)
+                print(f"[{i}/{len(runs)}] {run.title}: python {' '.join(run.cmd)}", flush=True)
+                with open(run.log, "w") as log:
+                    proc = subprocess.Popen([sys.executable, *run.cmd], cwd=ROOT, env=env, stdout=log,
+                                            stderr=subprocess.STDOUT)
+                active.append((i, run, proc, time.perf_counter()))
+            time.sleep(0.5)
+            for item in [a for a in active if a[2].poll() is not None]:
+                active.remove(item)
+                i, run, proc, started = item
+                if proc.returncode != 0 or not (run.folder / "summary.json").exists():
+                    print(f"[{i}/{len(runs)}] {run.title}: FAILED (exit code {proc.returncode}); the end of "
+                          f"{run.log}:\n{_tail(run.log)}", flush=True)
+                    continue
+                records[run.folder] = {"args": run.cmd, "process_wall_s": time.perf_counter() - started}
+                write_json(run.folder / "benchmark_run.json", records[run.folder])
+                shutil.rmtree(run.folder / "final", ignore_errors=True)  # models are not results
+                summary = json.loads((run.folder / "summary.json").read_text())
+                print(f"[{i}/{len(runs)}] {run.title}: done in {records[run.folder]['process_wall_s']:.0f} s, "
+                      f"held-out accuracy {summary.get('eval/accuracy_start')} -> {summary.get('eval/accuracy_end')}",
+                      flush=True)
+    except KeyboardInterrupt:
+        for _, _, proc, _ in active:
+            proc.kill()
+        print("\ninterrupted; the same command continues where this stopped (finished runs are reused)", flush=True)
+        raise
+    return records
+
+
+def run_part(name: str, script: str, argv: list[str], runs_dir: Path, force: bool) -> dict | None:
+    """rollout_engines.py or gradient_variance.py in its own process (vLLM and the scripts change
+    process-wide settings); its JSON is reused when it was made by the same command."""
+    path, log = runs_dir / f"{name}.json", runs_dir / f"{name}.log"
+    argv = [*argv, "--json", str(path)]
+    if path.exists() and not force and json.loads(path.read_text()).get("argv") == argv:
+        print(f"{name}: reused", flush=True)
+        return {**json.loads(path.read_text()), "reused": True}
+    print(f"{name}: python benchmarks/{script} {' '.join(argv)}", flush=True)
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        code = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *argv], cwd=ROOT, env=_env(),
+                              stdout=f, stderr=subprocess.STDOUT).returncode
+    if code != 0 or not path.exists():
+        print(f"{name}: FAILED (exit code {code}); the end of {log}:\n{_tail(log)}", flush=True)
         return None
-    if not shown:
-        print(f"{part}: done", flush=True)
-    return json.loads(path.read_text())
+    data = json.loads(path.read_text())
+    print(f"{name}: done in {data['wall_s']:.0f} s", flush=True)
+    return data
 
 
-def task_results(cmp: dict, task: str) -> tuple[dict, dict[str, str]]:
-    """compare.py's results on `task` and {lecture name (reinforce, rloo, ...): run name there}."""
-    if task == cmp.get("task", compare.DEFAULT_TASK):
-        return cmp["algorithms"], {name: name for name, _ in cmp["lecture"]}
-    other = cmp.get("lecture_tasks", {}).get(task, {"algorithms": {}, "lecture": []})
-    return other["algorithms"], {name.rsplit("/", 1)[-1]: name for name, _ in other["lecture"]}
+# ---------------------------------------------------------------------------------------
+# aggregation: per run, then over seeds
+# ---------------------------------------------------------------------------------------
+
+def read_metrics(run_dir) -> list[dict]:
+    with open(Path(run_dir) / "metrics.jsonl") as f:
+        return sorted((json.loads(line) for line in f if line.strip()), key=lambda m: m["step"])
 
 
-def lecture_rows(cmp: dict | None, task: str, variance: dict | None) -> list[dict]:
-    """One row per lecture estimator on `task` (learning runs and / or gradient variance),
-    plus Dr. GRPO's gradient variance."""
-    algorithms, run_of = task_results(cmp, task) if cmp else ({}, {})
-    est = ((variance or {}).get("tasks") or {}).get(task, {}).get("estimators", {})
+def run_stats(metrics: list[dict], target: float = TARGET) -> dict:
+    """The numbers of one run. Training time is the sum of time/step (rollout, log-probs,
+    update, sync and bookkeeping), without the held-out evaluations and the start-up."""
+    steps = [m for m in metrics if m["step"] > 0 and "time/step" in m]
+    elapsed, t = {0: 0.0}, 0.0
+    for m in steps:
+        t += m["time/step"]
+        elapsed[m["step"]] = t
+    evals = [(m["step"], m["eval/accuracy"]) for m in metrics if "eval/accuracy" in m]
+    eval_rewards = [m["eval/reward_mean"] for m in metrics if "eval/reward_mean" in m]
+    reached = next((s for s, a in evals if a >= target), None)
+    tokens = sum(m["throughput/tokens_per_s"] * m["time/step"] for m in steps if "throughput/tokens_per_s" in m)
+    shares = {k: sum(m.get(f"time/{k}", 0.0) for m in steps) / t if t > 0 else None for k in TIME_PARTS}
+    shares["other"] = 1.0 - sum(shares.values()) if t > 0 else None
+    syncs = [m["time/sync"] for m in steps if "time/sync" in m]
+    memory = [m["memory/peak_gib"] for m in metrics if "memory/peak_gib" in m]
+    return {
+        "accuracy_start": evals[0][1] if evals and evals[0][0] == 0 else None,
+        "accuracy_end": evals[-1][1] if evals else None,
+        "accuracy_peak": max(a for _, a in evals) if evals else None,
+        "eval_reward_end": eval_rewards[-1] if eval_rewards else None,  # held-out mean reward (greedy)
+        "steps_to_target": reached,
+        "time_to_target_s": elapsed.get(reached) if reached is not None else None,
+        "steps": len(steps),
+        "train_time_s": t,
+        "steps_per_s": len(steps) / t if t > 0 else None,
+        "tokens_per_s": tokens / t if t > 0 else None,
+        "peak_memory_gib": max(memory) if memory else None,
+        "step_ms": 1000 * t / len(steps) if steps else None,
+        "time_share": shares,
+        "sync_ms_median": 1000 * statistics.median(syncs) if syncs else None,
+        "curves": {
+            "eval_step": [s for s, _ in evals],
+            "eval_time_s": [elapsed.get(s) for s, _ in evals],
+            "eval_accuracy": [a for _, a in evals],
+            "step": [m["step"] for m in steps],
+            "time_s": [elapsed[m["step"]] for m in steps],
+            "reward_mean": [m.get("reward/mean") for m in steps],
+        },
+    }
+
+
+def mean_std(values) -> dict:
+    """Mean and sample standard deviation (ddof 1) over seeds; None where undefined."""
+    vals = [float(v) for v in values if v is not None]
+    return {"mean": statistics.fmean(vals) if vals else None,
+            "std": statistics.stdev(vals) if len(vals) > 1 else None, "n": len(vals)}
+
+
+SCALARS = ["accuracy_start", "accuracy_end", "accuracy_peak", "eval_reward_end", "train_time_s", "steps_per_s",
+           "tokens_per_s", "peak_memory_gib", "step_ms", "sync_ms_median"]
+
+
+def _band(per_seed: list[dict], x_key: str, y_key: str, step_key: str) -> dict:
+    """Mean and min / max over seeds at the steps every seed has; x is the mean over seeds."""
+    common = set.intersection(*(set(c[step_key]) for c in per_seed))
+    out = {"step": [], "x": [], "mean": [], "min": [], "max": []}
+    for s in sorted(common):
+        xs = [c[x_key][c[step_key].index(s)] for c in per_seed]
+        ys = [c[y_key][c[step_key].index(s)] for c in per_seed]
+        if any(v is None for v in xs + ys):
+            continue
+        out["step"].append(s)
+        out["x"].append(statistics.fmean(xs))
+        out["mean"].append(statistics.fmean(ys))
+        out["min"].append(min(ys))
+        out["max"].append(max(ys))
+    return out
+
+
+def aggregate(per_seed: list[dict]) -> dict:
+    """Over seeds: mean / std of each number, how many seeds reached the target, and the
+    curves (mean with a min-max band)."""
+    agg = {k: mean_std(r[k] for r in per_seed) for k in SCALARS}
+    reached = [r for r in per_seed if r["steps_to_target"] is not None]
+    for k in ("steps_to_target", "time_to_target_s"):
+        agg[k] = {**mean_std(r[k] for r in reached), "reached": len(reached), "seeds": len(per_seed)}
+    agg["time_share"] = {k: mean_std(r["time_share"][k] for r in per_seed)["mean"] for k in per_seed[0]["time_share"]}
+    curves = [r["curves"] for r in per_seed]
+    agg["curves"] = {
+        "accuracy_vs_step": _band(curves, "eval_step", "eval_accuracy", "eval_step"),
+        "accuracy_vs_time": _band(curves, "eval_time_s", "eval_accuracy", "eval_step"),
+        "reward_vs_step": _band(curves, "step", "reward_mean", "step"),
+        "reward_vs_time": _band(curves, "time_s", "reward_mean", "step"),
+    }
+    return agg
+
+
+def collect(configs: list[Config], seeds: list[int], runs_dir: Path, target: float = TARGET) -> dict:
+    """{config name: its flags, per-seed numbers (the curves only aggregated: the plots show them)
+    and aggregate} from the run folders."""
+    results = {}
+    for cfg in configs:
+        per_seed = {}
+        for seed in seeds:
+            run_dir = runs_dir / cfg.name / f"seed{seed}"
+            if (run_dir / "summary.json").exists() and (run_dir / "metrics.jsonl").exists():
+                per_seed[seed] = run_stats(read_metrics(run_dir), target)
+        entry = {"label": cfg.label, "script": cfg.script, "flags": list(cfg.flags), "seeds": list(per_seed),
+                 "status": "ok" if len(per_seed) == len(seeds) else "partial" if per_seed else "failed",
+                 "per_seed": {s: {k: v for k, v in r.items() if k != "curves"} for s, r in per_seed.items()}}
+        if per_seed:
+            entry["aggregate"] = aggregate(list(per_seed.values()))
+        results[cfg.name] = entry
+    return results
+
+
+# ---------------------------------------------------------------------------------------
+# tables and sentences, from results.json alone
+# ---------------------------------------------------------------------------------------
+
+def _to_target(entry: dict, digits: int = 1) -> str:
+    if not entry["reached"]:
+        return "not reached"
+    text = fmt_mean_std(entry["mean"], entry["std"], digits)
+    return text if entry["reached"] == entry["seeds"] else f"{text} ({entry['reached']}/{entry['seeds']} seeds)"
+
+
+def _ms(a: dict | None, key: str, digits: int = 2) -> str:
+    return fmt_mean_std(a[key]["mean"], a[key]["std"], digits) if a and key in a else "-"
+
+
+def comparison_table(results: dict, target: float = TARGET) -> str:
+    header = ["algorithm", "flags", "seeds", "held-out acc. start", "end", "peak", f"steps to {target:g}",
+              f"train time to {target:g} (s)", "steps/s", "tokens/s", "peak mem. (GiB)"]
     rows = []
-    for cfg, label in compare.LECTURE:
-        r = algorithms.get(run_of.get(cfg.name, ""), {})
-        rows.append({"name": cfg.name, "label": label, "aggregate": r.get("aggregate"),
-                     "per_seed": list(r.get("per_seed", {}).values()), "estimator": LECTURE_ESTIMATOR[cfg.name],
-                     "variance": est.get(LECTURE_ESTIMATOR[cfg.name])})
+    for r in results.values():
+        a, flags = r.get("aggregate"), f"`{' '.join(r['flags'])}`" if r["flags"] else ""
+        if a is None:
+            rows.append([r["label"], flags, 0, r["status"]] + ["-"] * (len(header) - 4))
+            continue
+        rows.append([r["label"], flags, len(r["seeds"]), _ms(a, "accuracy_start"), _ms(a, "accuracy_end"),
+                     _ms(a, "accuracy_peak"), _to_target(a["steps_to_target"]), _to_target(a["time_to_target_s"]),
+                     _ms(a, "steps_per_s"), _ms(a, "tokens_per_s", 0), fmt(a["peak_memory_gib"]["mean"])])
+    return markdown_table(header, rows, "ll" + "r" * (len(header) - 2))
+
+
+def time_table(results: dict) -> str:
+    parts = TIME_PARTS + ["other"]
+    header = ["algorithm", "step (ms)"] + [TIME_LABELS[p] for p in parts] + ["one weight sync (ms, median)"]
+    rows = [[r["label"], fmt(a["step_ms"]["mean"], 0)]
+            + [f"{100 * a['time_share'][p]:.1f}%" if a["time_share"][p] is not None else "-" for p in parts]
+            + [fmt(a["sync_ms_median"]["mean"], 1)]
+            for r in results.values() if (a := r.get("aggregate"))]
+    return markdown_table(header, rows)
+
+
+def engines_md(e: dict) -> str:
+    header = ["prompts x completions", "vLLM completions/s", "transformers completions/s", "vLLM / transformers",
+              "vLLM tokens/s", "transformers tokens/s", "mean completion tokens (vLLM / transformers)"]
+    rows = [[f"{r['prompts']} x {r['completions_per_prompt']}", fmt(r["vllm"]["completions_per_s"], 0),
+             fmt(r["transformers"]["completions_per_s"], 0), f"{r['ratio_completions_per_s']:.2f}x",
+             fmt(r["vllm"]["tokens_per_s"], 0), fmt(r["transformers"]["tokens_per_s"], 0),
+             f"{r['vllm']['mean_completion_tokens']:.1f} / {r['transformers']['mean_completion_tokens']:.1f}"]
+            for r in e["sizes"]]
+    cpu = " (CPU: plain linear weights, so that weight sync works)" if e["device"] == "cpu" else ""
+    return (f"`{e['model']}` on {e['device']} ({e['dtype']}), `{e['task']}` prompts, up to {e['max_new_tokens']} new "
+            f"tokens:\n\n{markdown_table(header, rows)}\nTemperature {e['temperature']}, the same prompts for both "
+            f"engines; median of {e['repeats']} timed calls after one warm-up call. vLLM is created as the training "
+            f"scripts create it{cpu}. Start-up: vLLM engine {e['startup_s']['vllm']:.1f} s, transformers model "
+            f"{e['startup_s']['transformers']:.1f} s.\n")
+
+
+def lecture_rows(data: dict, task: str) -> list[dict]:
+    """One row per lecture estimator on `task` (its learning runs and / or gradient variance),
+    plus Dr. GRPO's gradient variance."""
+    est = (((data.get("gradient_variance") or {}).get("tasks") or {}).get(task) or {}).get("estimators", {})
+    rows = []
+    for cfg, name in LECTURE:
+        run = data["runs"].get(cfg.name if task == TASK else f"{task}/{cfg.name}", {})
+        rows.append({"estimator": name, "run": run if run.get("aggregate") else None, "variance": est.get(name)})
     if "dr-grpo" in est:
-        rows.append({"name": "dr-grpo", "label": est["dr-grpo"]["label"], "aggregate": None, "per_seed": [],
-                     "estimator": "dr-grpo", "variance": est["dr-grpo"]})
+        rows.append({"estimator": "dr-grpo", "run": None, "variance": est["dr-grpo"]})
     return rows
 
 
-def lecture_table(rows: list[dict], target: float) -> str:
+def lecture_table(rows: list[dict], target: float = TARGET) -> str:
     header = ["estimator", "held-out acc. end", "peak", f"steps to {target:g}", "held-out mean reward end",
               "gradient: relative variance", "vs. no baseline (95% interval)", "cos(one batch, mean)"]
     out = []
     for row in rows:
-        a, v = row["aggregate"], row["variance"]
-        lo, hi = v["ratio_interval"] if v else (None, None)
-        out.append([
-            row["label"],
-            fmt_ms(a, "accuracy_end"), fmt_ms(a, "accuracy_peak"),
-            compare._to_target(a["steps_to_target"], 1) if a else "not run" if row["name"] != "dr-grpo" else "-",
-            fmt_ms(a, "eval_reward_end"),
-            f"{v['relative_variance']:.3g}" if v else "-",
-            f"{v['relative_variance_vs_reference']:.2f}x ({lo:.2f}-{hi:.2f})" if v else "-",
-            f"{v['cosine_to_mean']:.2f}" if v else "-"])
+        a, v = (row["run"] or {}).get("aggregate"), row["variance"]
+        to_target = _to_target(a["steps_to_target"]) if a else "-" if row["estimator"] == "dr-grpo" else "not run"
+        out.append([LABEL[row["estimator"]], _ms(a, "accuracy_end"), _ms(a, "accuracy_peak"), to_target,
+                    _ms(a, "eval_reward_end"), f"{v['relative_variance']:.3g}" if v else "-",
+                    _ratio_cell(v) if v else "-", f"{v['cosine_to_mean']:.2f}" if v else "-"])
     return markdown_table(header, out)
 
 
-def fmt_ms(a: dict | None, key: str) -> str:
-    return fmt_mean_std(a[key]["mean"], a[key]["std"]) if a and key in a else "-"
+def _ratio_cell(v: dict) -> str:
+    lo, hi = v["ratio_interval"]
+    return f"{v['relative_variance_vs_reference']:.2f}x ({lo:.2f}-{hi:.2f})"
 
 
-def _join(labels: list[str]) -> str:
-    return labels[0] if len(labels) == 1 else ", ".join(labels[:-1]) + " and " + labels[-1]
+def _join(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
-def learning_findings(rows: list[dict], steps: int) -> list[str]:
-    """What the learning runs on one task show, generated from their numbers: the end
-    accuracies, and whether REINFORCE without a baseline differs from each baseline by more
-    than the spread over seeds (every seed below / above every seed of the other)."""
-    done = [r for r in rows if r["aggregate"]]
-    if not done:
-        return []
-    n = min(len(r["per_seed"]) for r in done)
-    out = [f"Held-out exact accuracy after {steps} steps ({f'mean ± std over {n} seeds' if n > 1 else 'one seed'}): "
-           + "; ".join(f"{SHORT[r['estimator']]} {fmt_ms(r['aggregate'], 'accuracy_end')}" for r in done) + "."]
-    if any(r["aggregate"].get("eval_reward_end", {}).get("mean") is not None
-           and abs(r["aggregate"]["eval_reward_end"]["mean"] - r["aggregate"]["accuracy_end"]["mean"]) > 1e-9
-           for r in done):
-        out.append("Held-out mean reward (partial credit) at the end: "
-                   + "; ".join(f"{SHORT[r['estimator']]} {fmt_ms(r['aggregate'], 'eval_reward_end')}" for r in done)
-                   + ".")
-    ref = next((r for r in done if r["name"] == "reinforce-no-baseline"), None)
+def learning_findings(rows: list[dict]) -> list[str]:
+    """Whether REINFORCE without a baseline differs from each baseline by more than the spread
+    over seeds: every seed's final held-out accuracy below / above every seed of the other."""
+    done = [r for r in rows if r["run"]]
+    ref = next((r for r in done if r["estimator"] == "none"), None)
     others = [r for r in done if r is not ref]
     if ref is None or not others:
-        return out
+        return []
+    n = min(len(r["run"]["per_seed"]) for r in done)
     if n < 2:
-        out.append("One seed per estimator: no spread over seeds to tell a difference from seed noise.")
-        return out
-    mine = [s["accuracy_end"] for s in ref["per_seed"]]
+        return ["One seed per estimator: no spread over seeds to tell a difference from seed noise."]
+    mine = [s["accuracy_end"] for s in ref["run"]["per_seed"].values()]
     below, above, overlap = [], [], []
     for r in others:
-        theirs = [s["accuracy_end"] for s in r["per_seed"]]
-        name = NAMED[r["estimator"]]
-        (below if max(mine) < min(theirs) else above if min(mine) > max(theirs) else overlap).append(name)
-    parts = []
-    if below:
-        parts.append(f"every seed of REINFORCE without a baseline ends below every seed of {_join(below)}")
-    if above:
-        parts.append(f"every seed of REINFORCE without a baseline ends above every seed of {_join(above)}")
-    if overlap:
-        parts.append(f"its seeds overlap those of {_join(overlap)} (no difference beyond the spread over {n} seeds)")
-    out.append(parts[0][0].upper() + parts[0][1:] + "".join(f"; {p}" for p in parts[1:]) + ".")
+        theirs = [s["accuracy_end"] for s in r["run"]["per_seed"].values()]
+        (below if max(mine) < min(theirs) else above if min(mine) > max(theirs) else overlap).append(
+            NAMED[r["estimator"]])
+    parts = ([f"every seed of REINFORCE without a baseline ends below every seed of {_join(below)}"] if below else []) \
+        + ([f"every seed of REINFORCE without a baseline ends above every seed of {_join(above)}"] if above else []) \
+        + ([f"its seeds overlap those of {_join(overlap)} (no difference beyond the spread over {n} seeds)"]
+           if overlap else [])
+    return [parts[0][0].upper() + parts[0][1:] + "".join(f"; {p}" for p in parts[1:]) + "."]
+
+
+def ratio_phrase(ratio: float, interval: tuple[float, float]) -> str:
+    """'2.3 times lower (...)' / '1.8 times higher (...)' / 'no clear difference (...)'."""
+    lo, hi = interval
+    ci = f"ratio {ratio:.2f}, 95% bootstrap interval {lo:.2f}-{hi:.2f}"
+    if hi < 1:
+        return f"{1 / ratio:.1f} times lower ({ci})"
+    if lo > 1:
+        return f"{ratio:.1f} times higher ({ci})"
+    return f"no clear difference ({ci} includes 1)"
+
+
+def variance_findings(d: dict) -> list[str]:
+    """What the gradient variance on one task shows, in sentences generated from its numbers."""
+    est, out = d["estimators"], []
+    for name in ("batch-mean", "rloo", "grpo"):  # the lecture's baselines (Dr. GRPO: RLOO's numbers, see the note)
+        if name in est:
+            s = est[name]
+            out.append(f"{LABEL[name]}: relative gradient variance {s['relative_variance']:.3g} against "
+                       f"{est['none']['relative_variance']:.3g} without a baseline, "
+                       f"{ratio_phrase(s['relative_variance_vs_reference'], s['ratio_interval'])}.")
+    sn = d["score_norms"]
+    if sn["completions"] and sn["optimal_baseline"] is not None and sn["mean_reward"]:
+        b, m = sn["optimal_baseline"], sn["mean_reward"]
+        text = (f"The variance-optimal constant baseline b* = {b:.2f} against the mean reward {m:.2f} of the same "
+                f"{sn['completions']} completions (b*/mean {b / m:.2f}; b* − mean R = Cov(R, ‖∇ log p‖²) / "
+                f"E‖∇ log p‖² = {round(b - m, 2) + 0.0:+.2f})")
+        if 0.8 <= b / m <= 1.25:
+            text += ": a baseline at the mean reward is close to the variance-optimal constant"
+        else:
+            text += (f": reward and ‖∇ log p(y)‖² are {'negatively' if b < m else 'positively'} correlated, so a "
+                     f"baseline at the mean reward is {'above' if b < m else 'below'} the variance-optimal constant")
+        parts = [f"{fmt(sn[f'mean_sq_norm_{k}'], 0)} for {lab}" for k, lab in
+                 (("reward_1", "R = 1"), ("partial", "0 < R < 1"), ("reward_0", "R = 0"))
+                 if sn[f"mean_sq_norm_{k}"] is not None]
+        out.append(text + ("; mean ‖∇ log p‖²: " + ", ".join(parts) if parts else "") + ".")
     return out
 
 
-def lecture_markdown(cmp: dict | None, tasks: list[str], task_rows: dict[str, list[dict]], variance: dict | None,
-                     target: float) -> str:
-    steps = cmp["settings"]["steps"] if cmp else None
-    intro = ("The lecture's claim: subtracting a baseline leaves the expected policy gradient unchanged and lowers "
-             "its variance, so the same budget learns faster. Measured on "
-             + " and ".join(f"`{t}`" for t in tasks) + " (" + "; ".join(TASK_NOTES.get(t, t) for t in tasks) + "). "
-             + ("Learning: the four estimators with the budget of the comparison above "
-                f"(`{compare.DEFAULT_TASK}`: the same runs; REINFORCE without a baseline is reinforce.py "
-                "`--baseline none`); held-out accuracy is exact (reward >= 1) on every task, the held-out mean "
-                "reward is the task's own reward of the greedy completions. " if cmp else
-                "Learning: not run (`--parts` without compare). ")
-             + "Gradient: relative variance tr Cov[g] / ‖E g‖² of one batch's policy gradient on fixed "
-             "prompts, from the initial policy (gradient_variance.py); below 1x, the baseline lowers it.\n")
-    parts = [intro]
-    vt = (variance or {}).get("tasks") or {}
+def variance_md(v: dict) -> str:
+    """The settings of the gradient-variance measurement and its per-task diagnostics."""
+    s, tasks = v["settings"], v["tasks"]
+    shared = [t for t, d in tasks.items() if d["shared_samples_with"]]
+    header = ["task", "reward", "mean reward", "samples with 0 < R < 1", "groups with all-equal rewards",
+              "b* = E[R‖∇log p‖²] / E[‖∇log p‖²]", "mean R of the same completions",
+              "mean ‖∇log p‖²: R = 1", "0 < R < 1", "R = 0", "completions (R = 1 / partial / 0)"]
+    rows = []
+    for t, d in tasks.items():
+        sn = d["score_norms"]
+        rows.append([f"`{t}`", d["reward_kind"], f"{d['mean_reward']:.2f}", f"{100 * d['partial_frac']:.0f}%",
+                     f"{100 * d['groups_all_equal_frac']:.0f}%", fmt(sn["optimal_baseline"]), fmt(sn["mean_reward"]),
+                     fmt(sn["mean_sq_norm_reward_1"], 0), fmt(sn["mean_sq_norm_partial"], 0),
+                     fmt(sn["mean_sq_norm_reward_0"], 0),
+                     f"{sn['completions']} ({sn['count_reward_1']} / {sn['count_partial']} / {sn['count_reward_0']})"])
+    shared_note = (f"; {', '.join(f'`{t}`' for t in shared)} are measured on the very same completions, only the "
+                   f"reward differs" if shared else "")
+    return (f"#### How the gradient variance was measured\n\n{s['batches']} batches of the same {s['prompts']} "
+            f"prompts x {s['completions']} fresh completions (`{s['model']}`, its initial weights, temperature "
+            f"{s['temperature']}{shared_note}). Same samples and the same loss aggregation (`{s['loss_agg']}`) for "
+            f"every estimator; only the advantage differs. Relative variance tr Cov[g] / ‖E g‖² of one batch's "
+            f"gradient (lower: a batch points more reliably where the estimator points on average); 'vs. no "
+            f"baseline' is its ratio to REINFORCE without a baseline (below 1: the baseline lowers the variance), "
+            f"with a 95% percentile bootstrap interval over the batches. Dr. GRPO's gradient is RLOO's times (K-1)/K "
+            f"on every batch, so their scale-free numbers coincide. {v['parameters']:,} parameters.\n\n"
+            f"{markdown_table(header, rows)}\nb* is the constant baseline that minimizes tr Cov of (R − b) ∇log p(y), "
+            f"measured on the first {s['score_norm_batches']} batch(es); the batch-mean baseline subtracts roughly "
+            f"the mean reward.\n")
+
+
+def lecture_md(data: dict) -> str:
+    tasks = [TASK, LECTURE_TASK]
+    vt = ((data.get("gradient_variance") or {}).get("tasks")) or {}
+    parts = ["The lecture's claim: subtracting a baseline leaves the expected policy gradient unchanged and lowers "
+             "its variance, so the same budget learns faster. Measured on " + " and ".join(f"`{t}`" for t in tasks)
+             + " (" + "; ".join(TASK_NOTES[t] for t in tasks) + "). Learning: the four estimators with the budget of "
+             f"the comparison above (`{TASK}`: the same runs; REINFORCE without a baseline is reinforce.py `--baseline "
+             "none`); held-out accuracy is exact (reward >= 1) on every task, the held-out mean reward is the task's "
+             "own reward of the greedy completions. Gradient: relative variance tr Cov[g] / ‖E g‖² of one batch's "
+             "policy gradient on fixed prompts, from the initial policy (gradient_variance.py); below 1x, the "
+             "baseline lowers it.\n"]
     for t in tasks:
-        parts.append(f"\n#### `{t}`" + (f": {vt[t]['reward_kind']} reward" if t in vt else "") + "\n\n")
-        parts.append(lecture_table(task_rows[t], target))
-        lines = learning_findings(task_rows[t], steps) if cmp else []
-        lines += vt.get(t, {}).get("findings", [])
-        parts.append("".join(f"\n- {line}" for line in lines) + ("\n" if lines else ""))
-    if variance:
-        mp = variance.get("markdown_parts", {})
-        parts.append("\n#### Gradient variance on " + " and ".join(f"`{t}`" for t in vt) + " side by side\n\n")
-        parts.append(f"{mp.get('side_by_side', '')}\n{mp.get('note', '')}\n{mp.get('diagnostic', '')}\n"
-                     f"{mp.get('diagnostic_note', '')}")
+        rows = lecture_rows(data, t)
+        lines = learning_findings(rows) + (variance_findings(vt[t]) if t in vt else [])
+        parts.append(f"\n#### `{t}`" + (f": {vt[t]['reward_kind']} reward" if t in vt else "") + "\n\n"
+                     + lecture_table(rows) + "".join(f"\n- {line}" for line in lines) + ("\n" if lines else ""))
+    if data.get("gradient_variance"):
+        parts.append("\n" + variance_md(data["gradient_variance"]))
     return "".join(parts)
 
 
-def plot_lecture(task_rows: dict[str, list[dict]], variance: dict | None, path: Path, target: float) -> dict:
-    """One row per task: held-out accuracy and rollout reward against step for the four
-    estimators, and (where measured) each baseline's relative gradient variance over that
-    of no baseline, with its bootstrap interval, on a log scale."""
-    plt = compare._pyplot()
-    from matplotlib.ticker import NullFormatter
+# ---------------------------------------------------------------------------------------
+# plots
+# ---------------------------------------------------------------------------------------
 
-    tasks = list(task_rows)
-    colors = plt.get_cmap("tab10").colors
-    color_of = {label: colors[i] for i, (_, label) in enumerate(compare.LECTURE)}
-    # one x range for every task's variance panel, so the rows compare at a glance
-    ends = [x for rows in task_rows.values() for row in rows if row["variance"] and row["estimator"] != "none"
-            for x in (row["variance"]["relative_variance_vs_reference"], *row["variance"]["ratio_interval"])
-            if 0 < x < float("inf")] + [1.0]
-    left, right = min(ends) / 3, max(ends) * 3
-    fig, axes = plt.subplots(len(tasks), 3, figsize=(15, 3.5 * len(tasks) + 0.7), squeeze=False,
-                             gridspec_kw={"width_ratios": [1, 1, 0.9]})
-    drawn = {"tasks": tasks, "lines": {}, "bars": {}}
-    for i, t in enumerate(tasks):
-        rows = task_rows[t]
-        curves = {row["label"]: row["aggregate"]["curves"] for row in rows if row["aggregate"]}
-        drawn["lines"][t] = []
-        for j, panel in enumerate([compare.PANELS[0], compare.PANELS[2]]):
-            ax = axes[i, j]
-            drawn["lines"][t].append(compare.draw_panel(ax, curves, *panel, target=target, color_of=color_of))
-            ax.set_title(f"{t}: {panel[1]}" + (" (exact)" if "accuracy" in panel[0] else ""), fontsize=10)
-            if not curves:
-                ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes, color="grey")
-        ax = axes[i, 2]
-        bars = [row for row in rows if row["variance"] and row["estimator"] != "none"]
-        drawn["bars"][t] = [SHORT[row["estimator"]] for row in bars]
-        if not bars:
-            ax.axis("off")
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+PANELS = [("accuracy_vs_step", "held-out greedy accuracy", "step"),
+          ("accuracy_vs_time", "held-out greedy accuracy", "training time (s, mean over seeds)"),
+          ("reward_vs_step", "mean reward of the rollouts", "step"),
+          ("reward_vs_time", "mean reward of the rollouts", "training time (s, mean over seeds)")]
+
+
+def draw_panel(ax, curves: dict[str, dict], key: str, ylabel: str, xlabel: str, target: float | None = None,
+               color_of: dict[str, tuple] | None = None) -> list[str]:
+    """Mean line and min-max band of each curve `key`; returns the labels of the lines drawn.
+    Colors: color_of[label] where given, else tab10 in the order of `curves`."""
+    from matplotlib.ticker import MaxNLocator
+
+    colors = _pyplot().get_cmap("tab10").colors
+    for i, (label, c) in enumerate(curves.items()):
+        band = c[key]
+        if not band["x"]:
             continue
-        values = [row["variance"]["relative_variance_vs_reference"] for row in bars]
-        lo = [row["variance"]["ratio_interval"][0] for row in bars]
-        hi = [row["variance"]["ratio_interval"][1] for row in bars]
-        hi_drawn = [min(h, right) for h in hi]
-        # bars from 1 (no baseline): to the left, the baseline lowers the variance
-        ax.barh(range(len(bars)), [v - 1 for v in values], left=1,
-                color=[color_of.get(row["label"], "grey") for row in bars], alpha=0.85)
-        ax.errorbar(values, range(len(bars)), fmt="none", ecolor="black", lw=1, capsize=3,
-                    xerr=[[v - l for v, l in zip(values, lo)], [h - v for v, h in zip(values, hi_drawn)]])
-        for k, (v, l, h) in enumerate(zip(values, lo, hi_drawn)):  # the value beyond the interval's outer end
-            ax.text(l / 1.08 if v < 1 else h * 1.08, k, f"{v:.2f}x", ha="right" if v < 1 else "left", va="center",
-                    fontsize=8)
-        ax.axvline(1.0, color="black", lw=1, ls="--")
-        ax.set_xscale("log")
-        ax.set_xlim(left, right)
-        ticks = [t for t in (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100) if left <= t <= right]
-        ax.set_xticks(ticks)
-        ax.set_xticklabels([f"{t:g}" for t in ticks])
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_yticks(range(len(bars)))
-        ax.set_yticklabels(drawn["bars"][t])
-        ax.invert_yaxis()
-        ax.set_xlabel("relative gradient variance / no baseline's (log)")
-        ax.set_title(f"{t}: gradient variance (< 1: baseline helps)", fontsize=10)
-        ax.grid(axis="x", alpha=0.3, which="both")
-    handles = [plt.Line2D([], [], color=color_of[label], lw=2) for _, label in compare.LECTURE]
-    fig.legend(handles, [label for _, label in compare.LECTURE], loc="upper center", ncol=4, frameon=False,
-               fontsize=9)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / (3.5 * len(tasks) + 0.7)))
+        color = (color_of or {}).get(label, colors[i % len(colors)])
+        ax.plot(band["x"], band["mean"], label=label, color=color, lw=1.8,
+                marker="o" if len(band["x"]) <= 12 else None, ms=3)
+        if band["max"] != band["min"]:
+            ax.fill_between(band["x"], band["min"], band["max"], color=color, alpha=0.15, lw=0)
+    if target is not None and "accuracy" in key:
+        ax.axhline(target, color="grey", ls=":", lw=1)
+    if xlabel == "step":
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    return [line.get_label() for line in ax.get_lines() if not line.get_label().startswith("_")]
+
+
+def plot_curves(curves: dict[str, dict], path, title: str, target: float | None = TARGET) -> list[list[str]]:
+    """Accuracy and reward against step and training time: one line per algorithm (mean over
+    seeds) with a min-max band over seeds. Returns the labels drawn in each panel."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7.4))
+    drawn = [draw_panel(ax, curves, *panel, target=target) for ax, panel in zip(axes.flat, PANELS)]
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), frameon=False)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return drawn
 
 
-def build_report(env: dict, mode: str, cmp: dict | None, engines: dict | None, variance: dict | None,
-                 lecture_md: str | None, elapsed: float, engines_real: dict | None = None) -> str:
-    measured = sum((d or {}).get("wall_s", 0.0) for d in (engines, variance)) + (cmp or {}).get("runs_process_s", 0.0)
-    reused = (cmp or {}).get("runs_reused", 0) + sum(bool(d and d.get("_reused")) for d in (engines, variance))
-    duration = (f"Duration: {elapsed / 60:.1f} min" + (f"; {reused} results were reused from an earlier run of the "
-                                                       f"same command ({measured / 60:.1f} min of process time in all)"
-                                                       if reused else "") + ".\n")
-    parts = [f"## Benchmarks ({mode} mode)\n", provenance_md(env) + duration]
-    if cmp:
-        parts += ["### Six algorithms, one task, the same budget\n", cmp["markdown"]["table"],
+def plot_time_breakdown(results: dict, path) -> list[str]:
+    """Stacked horizontal bars: the share of each part of a training step, per algorithm."""
+    plt = _pyplot()
+    done = [r for r in results.values() if r.get("aggregate")]
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(done) + 1.9))
+    left = [0.0] * len(done)
+    for color, part in zip(plt.get_cmap("tab10").colors, TIME_PARTS + ["other"]):
+        widths = [100 * (r["aggregate"]["time_share"][part] or 0.0) for r in done]
+        ax.barh(range(len(done)), widths, left=left, color=color, label=TIME_LABELS[part])
+        left = [a + w for a, w in zip(left, widths)]
+    ax.set_yticks(range(len(done)))
+    ax.set_yticklabels([f"{r['label']} ({r['aggregate']['step_ms']['mean']:.0f} ms/step)" for r in done])
+    ax.invert_yaxis()
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("share of training-step time (%)")
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [r["label"] for r in done]
+
+
+def plot_lecture(task_rows: dict[str, list[dict]], path, target: float = TARGET) -> dict:
+    """One row per task: held-out accuracy and rollout reward against step for the four
+    estimators, and each baseline's relative gradient variance over that of no baseline, with
+    its bootstrap interval, on a log scale. Returns the lines and bars drawn per task."""
+    plt = _pyplot()
+    from matplotlib.ticker import NullFormatter
+
+    labels = [LABEL[name] for _, name in LECTURE]
+    color_of = dict(zip(labels, plt.get_cmap("tab10").colors))
+    bars_of = {t: [r for r in rows if r["variance"] and r["estimator"] != "none"] for t, rows in task_rows.items()}
+    # one x range for every task's variance panel, so that the rows compare at a glance
+    ends = [x for bars in bars_of.values() for r in bars
+            for x in (r["variance"]["relative_variance_vs_reference"], *r["variance"]["ratio_interval"])
+            if 0 < x < float("inf")] + [1.0]
+    left, right = min(ends) / 3, max(ends) * 3
+    height = 3.5 * len(task_rows) + 0.7
+    fig, axes = plt.subplots(len(task_rows), 3, figsize=(15, height), squeeze=False,
+                             gridspec_kw={"width_ratios": [1, 1, 0.9]})
+    drawn = {"lines": {}, "bars": {}}
+    for ax_row, (t, rows) in zip(axes, task_rows.items()):
+        curves = {LABEL[r["estimator"]]: r["run"]["aggregate"]["curves"] for r in rows if r["run"]}
+        drawn["lines"][t] = []
+        for ax, panel in zip(ax_row, [PANELS[0], PANELS[2]]):
+            drawn["lines"][t].append(draw_panel(ax, curves, *panel, target=target, color_of=color_of))
+            ax.set_title(f"{t}: {panel[1]}" + (" (exact)" if "accuracy" in panel[0] else ""), fontsize=10)
+            if not curves:
+                ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes, color="grey")
+        ax, bars = ax_row[2], bars_of[t]
+        drawn["bars"][t] = [SHORT[r["estimator"]] for r in bars]
+        if not bars:
+            ax.axis("off")
+            continue
+        values = [r["variance"]["relative_variance_vs_reference"] for r in bars]
+        lo = [r["variance"]["ratio_interval"][0] for r in bars]
+        hi = [min(r["variance"]["ratio_interval"][1], right) for r in bars]
+        # bars start at 1 (no baseline): to the left, the baseline lowers the variance
+        ax.barh(range(len(bars)), [v - 1 for v in values], left=1, alpha=0.85,
+                color=[color_of.get(LABEL[r["estimator"]], "grey") for r in bars])
+        ax.errorbar(values, range(len(bars)), fmt="none", ecolor="black", lw=1, capsize=3,
+                    xerr=[[v - a for v, a in zip(values, lo)], [b - v for v, b in zip(values, hi)]])
+        for k, (v, a, b) in enumerate(zip(values, lo, hi)):  # the value beyond the interval's outer end
+            ax.text(a / 1.08 if v < 1 else b * 1.08, k, f"{v:.2f}x", ha="right" if v < 1 else "left", va="center",
+                    fontsize=8)
+        ax.axvline(1.0, color="black", lw=1, ls="--")
+        ax.set_xscale("log")
+        ax.set_xlim(left, right)
+        ticks = [x for x in (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100) if left <= x <= right]
+        ax.set_xticks(ticks, [f"{x:g}" for x in ticks])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_yticks(range(len(bars)), drawn["bars"][t])
+        ax.invert_yaxis()
+        ax.set_xlabel("relative gradient variance / no baseline's (log)")
+        ax.set_title(f"{t}: gradient variance (< 1: baseline helps)", fontsize=10)
+        ax.grid(axis="x", alpha=0.3, which="both")
+    fig.legend([plt.Line2D([], [], color=color_of[label], lw=2) for label in labels], labels, loc="upper center",
+               ncol=4, frameon=False, fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / height))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return drawn
+
+
+# ---------------------------------------------------------------------------------------
+# the report and the command
+# ---------------------------------------------------------------------------------------
+
+def write_report(data: dict, out: Path) -> str:
+    """report.md and the three plots from results.json's numbers alone; returns the report."""
+    s, main = data["settings"], {c.name: data["runs"][c.name] for c in ALGORITHMS if c.name in data["runs"]}
+    reused = (f"; {data['reused']} results were reused from an earlier run of the same command "
+              f"({data['process_s'] / 60:.1f} min of process time in all)" if data["reused"] else "")
+    parts = [f"## Results ({data['mode']} mode)\n",
+             provenance_md(data["environment"]) + f"Duration: {data['elapsed_s'] / 60:.1f} min{reused}.\n"]
+    curves = {r["label"]: r["aggregate"]["curves"] for r in main.values() if r.get("aggregate")}
+    if curves:
+        band = "band: min-max over seeds" if len(s["seeds"]) > 1 else "one seed"
+        plot_curves(curves, out / "curves.png", f"{len(curves)} algorithms, {s['steps']} steps of "
+                    f"{s['prompts_per_step']} prompts x {s['completions_per_prompt']} completions, seeds {s['seeds']} "
+                    f"({band})")
+        plot_time_breakdown(main, out / "time_breakdown.png")
+        parts += ["### Six algorithms, one task, the same budget\n", comparison_table(main),
+                  f"Budget, the same for every script: `{' '.join(budget_flags(s))}`, seeds {s['seeds']}; every other "
+                  f"hyperparameter is the script's default. Mean ± std over seeds. Training time is the sum of the "
+                  f"steps' times (no start-up, no held-out evaluation); 'steps to {TARGET:g}' is the first evaluated "
+                  f"step (every {s['eval_every']}) with held-out greedy accuracy >= {TARGET:g}.\n",
                   "![held-out accuracy and mean reward against step and training time](curves.png)\n",
-                  "### Where a training step's time goes\n", cmp["markdown"]["time_breakdown"],
+                  "### Where a training step's time goes\n", time_table(main),
+                  "Share of the summed step time (`time/<part>` / `time/step` in metrics.jsonl), mean over seeds; "
+                  "'other' is the untimed rest of a step (reward, advantages, metrics). One weight sync is the median "
+                  "`time/sync`, mean over seeds.\n",
                   "![share of each part of a training step](time_breakdown.png)\n"]
+    engines = [e for e in (data.get("rollout_engines"), data.get("rollout_engines_smollm2")) if e]
     if engines:
-        parts += ["### Rollout engine: vLLM against transformers `generate`\n", engines["markdown"]]
-    if engines_real:
-        parts += ["The same comparison on SmolLM2-135M-Instruct (`basic_arithmetic` prompts in its chat "
-                  "template, up to 64 new tokens):\n", engines_real["markdown"]]
-    if lecture_md:
-        parts += ["### The policy-gradient lecture's claim: baselines and gradient variance\n", lecture_md]
-        if (Path(env["_out"]) / "lecture.png").exists():
-            parts.append("![learning curves and gradient variance of the four estimators, one row per task]"
-                         "(lecture.png)\n")
-    return "\n".join(parts)
+        parts += ["### Rollout engine: vLLM against transformers `generate`\n", *map(engines_md, engines)]
+    if data.get("gradient_variance") or data["runs"]:
+        parts += ["### The policy-gradient lecture's claim: baselines and gradient variance\n", lecture_md(data)]
+        plot_lecture({t: lecture_rows(data, t) for t in (TASK, LECTURE_TASK)}, out / "lecture.png")
+        parts.append("![learning curves and gradient variance of the four estimators, one row per task](lecture.png)\n")
+    report = "\n".join(parts)
+    (out / "report.md").write_text(report)
+    return report
 
 
 def update_readme(readme: Path, report: str, out: Path) -> None:
@@ -307,86 +713,67 @@ def update_readme(readme: Path, report: str, out: Path) -> None:
     text = readme.read_text()
     if BEGIN not in text or END not in text:
         raise SystemExit(f"error: {readme} has no '{BEGIN}' ... '{END}' block to fill")
-    rel = os.path.relpath(out, readme.resolve().parent)
+    rel = Path(os.path.relpath(out, readme.resolve().parent)).as_posix()
     for name in ("curves.png", "time_breakdown.png", "lecture.png"):
         report = report.replace(f"]({name})", f"]({rel}/{name})")
     head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{BEGIN}\n{report}\n{END}{tail}")
+    readme.write_text(f"{head}{BEGIN}\n{report}\n{END}{rest.split(END, 1)[1]}")
     print(f"updated {readme}", flush=True)
+
+
+def measure(mode: str, out: Path, force: bool, env: dict) -> dict:
+    """Run (or reuse) every part and every run; returns what results.json holds."""
+    s, t0, runs_dir = MODES[mode], time.perf_counter(), out / "runs"
+    parts = {"rollout_engines": run_part("rollout_engines", "rollout_engines.py", s["engines"], runs_dir, force)}
+    if "engines_smollm2" in s:
+        parts["rollout_engines_smollm2"] = run_part("rollout_engines_smollm2", "rollout_engines.py",
+                                                    s["engines_smollm2"], runs_dir, force)
+    parts["gradient_variance"] = run_part("gradient_variance", "gradient_variance.py",
+                                          [*s["variance"], "--task", TASK, LECTURE_TASK], runs_dir, force)
+    configs = ALGORITHMS + [NO_BASELINE] + lecture_configs(s["lecture_estimators"])
+    budget = budget_flags(s)
+    folders = {(c.name, seed): runs_dir / c.name / f"seed{seed}" for c in configs for seed in s["seeds"]}
+    runs = [Run(f"{c.name} seed {seed}", folders[c.name, seed],
+                [c.script, "--seed", str(seed), *budget, *c.flags, "--output-dir", str(folders[c.name, seed])])
+            for c in configs for seed in s["seeds"]]
+    print(f"{len(runs)} runs, {s['jobs']} at a time, budget: {' '.join(budget)}", flush=True)
+    records = run_scripts(runs, s["jobs"], force)
+    done = [*records.values(), *(p for p in parts.values() if p)]
+    return {"environment": env, "mode": mode, "elapsed_s": time.perf_counter() - t0,
+            "settings": {k: v for k, v in s.items() if k not in ("engines", "engines_smollm2", "variance")},
+            "reused": sum(bool(d.get("reused")) for d in done),
+            "process_s": sum(d.get("process_wall_s", d.get("wall_s", 0.0)) for d in done),
+            "runs": collect(configs, s["seeds"], runs_dir), **parts}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--mode", choices=compare.MODES, default="quick")
+    p.add_argument("--mode", choices=MODES, default="quick")
     p.add_argument("--out", type=Path, help="output folder (default benchmarks/results/<mode>)")
-    p.add_argument("--parts", nargs="+", choices=["compare", "engines", "variance"],
-                   default=["engines", "variance", "compare"])
-    p.add_argument("--target", type=float, default=0.8, help="held-out accuracy for 'steps / time to target'")
-    p.add_argument("--jobs", type=int, help="algorithm scripts run at once (default: 2 quick, 1 full)")
-    p.add_argument("--seeds", type=int, nargs="+", help="override the mode's seeds")
-    p.add_argument("--steps", type=int, help="override the mode's steps")
-    p.add_argument("--model", help="model for every part (default: the scripts' default, models/tiny-sort)")
-    p.add_argument("--lecture-tasks", nargs="*", metavar="TASK",
-                   help=f"tasks besides {compare.DEFAULT_TASK} for the lecture's estimators and their gradient "
-                        f"variance (default {' '.join(compare.LECTURE_TASKS)}; the flag alone: none)")
-    p.add_argument("--lecture-estimators", nargs="+", metavar="NAME", choices=[c.name for c, _ in compare.LECTURE],
-                   help="which of the lecture's estimators run on those tasks (default: the mode's; quick mode: "
-                        "reinforce-no-baseline only)")
-    p.add_argument("--force", action="store_true", help="rerun what already ran")
-    p.add_argument("--update-readme", type=Path, metavar="README", help="put report.md into this README's block")
+    p.add_argument("--force", action="store_true", help="rerun the runs and parts that already finished")
+    p.add_argument("--report-only", action="store_true", help="measure nothing: the report and plots from results.json")
+    p.add_argument("--update-readme", type=Path, nargs="?", const=ROOT / "benchmarks" / "README.md", metavar="README",
+                   help="put the report between the markers of this README (default benchmarks/README.md)")
     args = p.parse_args(argv)
     out = (args.out or ROOT / "benchmarks" / "results" / args.mode).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    env = environment(None if argv is None else [__file__, *argv])
-    t0 = time.perf_counter()
-    model_flags = ["--model", args.model] if args.model else []
-    print(f"benchmarks ({args.mode}): {', '.join(args.parts)} -> {out}", flush=True)
-    if (env.get("load_average_1min") or 0) > 0.5:
-        print(f"note: load average {env['load_average_1min']}: other work on this machine will slow the timings "
-              f"down (recorded in the report)", flush=True)
-
-    settings = {**compare.MODES[args.mode]}
-    for k in ("jobs", "seeds", "steps", "lecture_tasks", "lecture_estimators"):
-        if getattr(args, k) is not None:
-            settings[k] = getattr(args, k)
-    tasks = list(dict.fromkeys([compare.DEFAULT_TASK, *settings["lecture_tasks"]]))
-    engines = run_part("engines", args.mode, out, args.force, model_flags) if "engines" in args.parts else None
-    engines_real = (run_part("engines-smollm2", args.mode, out, args.force, [])
-                    if "engines" in args.parts and "engines-smollm2" in PART_ARGS[args.mode] and not args.model
-                    else None)
-    variance = (run_part("variance", args.mode, out, args.force, [*model_flags, "--task", *tasks])
-                if "variance" in args.parts else None)
-    cmp = None
-    if "compare" in args.parts:
-        cmp = compare.compare(out, settings, args.target, script_flags=model_flags, force=args.force, env=env)
-    elapsed = time.perf_counter() - t0
-
-    lecture_md, plots = None, dict(cmp["plots"]) if cmp else {}
-    if cmp or variance:
-        task_rows = {t: lecture_rows(cmp, t, variance) for t in tasks}
-        lecture_md = lecture_markdown(cmp, tasks, task_rows, variance, args.target)
-        if any(row["aggregate"] or row["variance"] for rows in task_rows.values() for row in rows):
-            plots["lecture.png"] = plot_lecture(task_rows, variance, out / "lecture.png", args.target)
-        (out / "lecture.md").write_text(f"{lecture_md}\n{provenance_md(env)}")
-    report = build_report({**env, "_out": str(out)}, args.mode, cmp, engines, variance, lecture_md, elapsed,
-                          engines_real)
-    (out / "report.md").write_text(report)
-    write_json(out / "results.json", {"environment": env, "mode": args.mode, "elapsed_s": elapsed, "compare": cmp,
-                                      "rollout_engines": engines, "rollout_engines_smollm2": engines_real,
-                                      "gradient_variance": variance, "plots": plots})
+    if args.report_only:
+        data = json.loads((out / "results.json").read_text())
+    else:
+        env = environment(None if argv is None else [__file__, *argv])
+        print(f"benchmarks ({args.mode}) -> {out}", flush=True)
+        if (env["load_average_1min"] or 0) > 0.5:
+            print(f"note: load average {env['load_average_1min']}: other work on this machine slows the timings down "
+                  f"(recorded in the report)", flush=True)
+        out.mkdir(parents=True, exist_ok=True)
+        data = measure(args.mode, out, args.force, env)
+        write_json(out / "results.json", data)
+    report = write_report(data, out)
     if args.update_readme:
         update_readme(args.update_readme, report, out)
-    print(f"\nbenchmarks done in {elapsed / 60:.1f} min: {out / 'report.md'}", flush=True)
-    failed = [part for part, data in (("engines", engines), ("variance", variance)) if part in args.parts and not data]
-    if "engines" in args.parts and "engines-smollm2" in PART_ARGS[args.mode] and not args.model and not engines_real:
-        failed.append("engines-smollm2")
-    if cmp:
-        every = [*cmp["algorithms"].items(), *(item for o in cmp["lecture_tasks"].values()
-                                               for item in o["algorithms"].items())]
-        failed += [n for n, r in every if r["status"] not in ("ok", "missing")]
-    if failed:
-        print(f"failed: {', '.join(failed)}", flush=True)
+    failed = [name for name in ("rollout_engines", "rollout_engines_smollm2", "gradient_variance")
+              if name in data and not data[name]]
+    failed += [name for name, r in data["runs"].items() if r["status"] != "ok"]
+    print(f"\nbenchmarks: {out / 'report.md'}" + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
     return 1 if failed else 0
 
 
