@@ -1,0 +1,296 @@
+"""The trainer's side on a GPU: one full policy update of a Qwen2.5-0.5B-sized model, measured.
+
+The GPU machine this project can borrow has torch, transformers and peft but no vLLM, so the
+rollout cannot run there; everything after it can. This script builds a randomly initialized
+model with Qwen2.5-0.5B-Instruct's architecture (its config is written out below: nothing is
+downloaded), fills a batch shaped like a rollout (left-padded prompts | right-padded
+completions of varied lengths, random tokens and advantages) and runs the update the scripts
+run, with their functions from common/ops.py:
+
+    old log-probs     one no-grad pass, micro-batch by micro-batch (batched_logprobs)
+    per micro-batch   forward_logprobs (with entropy) under bf16 autocast on CUDA, GRPO's clipped
+                      loss aggregated over the whole minibatch (aggregate), backward
+    then              clip_grad_norm_, AdamW step (fp32 weights, as the scripts' default)
+
+in four variants: full fine-tuning or LoRA (rank 16 on every attention and MLP projection),
+each with and without gradient checkpointing. --updates such updates run per variant (the
+first pays one-time costs: CUDA kernels, AdamW state; LoRA's A matrices get their first
+gradient in the second, since B starts at zero). One line per variant gives, for the last
+update: completion tokens per second (forward + backward + optimizer step), peak memory (on
+CUDA torch's max allocated since the variant started; on CPU the process's peak RSS so far),
+the loss, the gradient norm and the mean entropy (ln(vocab) ~ 11.9 for a random model). Each
+variant also checks that the updates changed the trainable weights and nothing else. The exit
+status is non-zero if a loss or gradient norm is NaN/inf, a variant runs out of memory, or a
+check fails; a LoRA variant without peft installed is reported as skipped, not as a failure.
+
+Not in the peak: vLLM (its weights and KV cache, --vllm-gpu-memory-utilization of the GPU in a
+real run) and the frozen reference model (loaded when --kl-coef > 0; with LoRA it is the same
+model with adapters off). Add those to the numbers here.
+
+On a GPU machine, from the repository root (needs torch, transformers, optionally peft):
+
+    python benchmarks/gpu_check.py --json gpu_check.json
+
+The defaults are the README's GPU recipe: micro-batch 16, 512 tokens (128 prompt + 384
+completion). On CPU, at toy size: python benchmarks/gpu_check.py --config tiny --device cpu
+"""
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+# common.ops needs only torch; the scripts themselves are not imported (they import vLLM)
+from common.ops import aggregate, batched_logprobs, forward_logprobs, make_batch, masked_mean  # noqa: E402
+
+try:
+    import peft
+except ImportError:  # the LoRA variants are then skipped
+    peft = None
+
+# Qwen/Qwen2.5-0.5B-Instruct's config.json, the fields that shape the model. Checked against
+# the published config and its parameter count (494,032,768 with tied embeddings, which this
+# gives): hidden 896, 24 layers, 14 query and 2 key-value heads (head_dim 64), MLP 4864, vocab
+# 151936, tied embeddings, rope theta 1e6, 32768 positions, RMSNorm eps 1e-6, SiLU, no sliding
+# window; the q/k/v biases are part of the Qwen2 architecture itself.
+CONFIGS = {
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                         rope_theta=1e6, rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=True,
+                         use_sliding_window=False),
+    # the same architecture at toy size, for the CPU test
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                 rope_theta=1e6, rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=True),
+}
+
+VARIANTS = {  # name: (LoRA, gradient checkpointing)
+    "full": (False, False),
+    "full+gc": (False, True),
+    "lora": (True, False),
+    "lora+gc": (True, True),
+}
+LORA_RANK, LORA_ALPHA = 16, 32
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# the README recipe's learning rate and grpo.py's defaults
+LR, MAX_GRAD_NORM, TEMPERATURE = 1e-6, 1.0, 1.0
+EPS_LOW, EPS_HIGH, LOSS_AGG = 0.2, 0.2, "seq-mean-token-mean"
+PAD_TOKEN_ID = 0  # make_batch finds padding by position, so the id does not matter
+SEED = 0
+
+
+def grpo_loss(logprobs, old_logprobs, advantages, mask, num_tokens, num_seqs):
+    """Mirrors grpo.compute_loss (the clipped surrogate, aggregated over the minibatch) without
+    its KL term: no reference model is held here. Written out because grpo.py imports vLLM."""
+    A = advantages.unsqueeze(1)
+    ratio = torch.exp(logprobs - old_logprobs)
+    clipped_ratio = torch.clamp(ratio, 1 - EPS_LOW, 1 + EPS_HIGH)
+    per_token = -torch.min(ratio * A, clipped_ratio * A)
+    return aggregate(per_token, mask, LOSS_AGG, num_tokens, num_seqs)
+
+
+def rollout_batch(vocab_size: int, batch_size: int, prompt_len: int, completion_len: int, device):
+    """Random prompts and completions in the scripts' layout, lengths between half and all of
+    the maximum; the first row is full length, so the padded shape (which sets the memory) is
+    batch_size x (prompt_len + completion_len). Advantages ~ N(0, 1), as GRPO's normalized ones."""
+    g = torch.Generator().manual_seed(SEED)
+
+    def lengths(longest: int) -> list[int]:
+        n = torch.randint(max(1, longest // 2), longest + 1, (batch_size,), generator=g)
+        n[0] = longest
+        return n.tolist()
+
+    prompts = [torch.randint(1, vocab_size, (n,), generator=g).tolist() for n in lengths(prompt_len)]
+    completions = [torch.randint(1, vocab_size, (n,), generator=g).tolist() for n in lengths(completion_len)]
+    input_ids, attention_mask, completion_mask = make_batch(prompts, completions, PAD_TOKEN_ID, device)
+    advantages = torch.randn(batch_size, generator=g).to(device)
+    return input_ids, attention_mask, completion_mask, advantages
+
+
+def build_model(config_name: str, device: torch.device, lora: bool, gradient_checkpointing: bool):
+    """A randomly initialized fp32 model, set up as common.models.load_policy does (gradient
+    checkpointing on the transformers model), then wrapped in LoRA adapters if asked."""
+    with device:  # initialize on the device: far faster for 494M parameters on a GPU
+        model = Qwen2ForCausalLM(Qwen2Config(**CONFIGS[config_name]))
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    if lora:
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=LORA_TARGETS,
+            task_type="CAUSAL_LM"))
+    return model.train()
+
+
+def clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # CUDA runs asynchronously: wait for the work queued so far
+    return time.perf_counter()
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def measure(lora: bool, gradient_checkpointing: bool, args, device: torch.device) -> dict:
+    """Build one variant's model and optimizer, run args.updates updates, return the numbers."""
+    torch.manual_seed(SEED)  # every variant starts from the same base weights
+    model = build_model(args.config, device, lora, gradient_checkpointing)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    optimizer = torch.optim.AdamW(trainable.values(), lr=LR, weight_decay=0.0)
+    B, mbs = args.micro_batch_size * args.micro_batches, args.micro_batch_size
+    input_ids, attention_mask, completion_mask, advantages = rollout_batch(
+        model.config.vocab_size, B, args.prompt_len, args.completion_len, device)
+    C = completion_mask.shape[1]
+    autocast_dtype = torch.bfloat16 if device.type == "cuda" else None  # the scripts' --bf16-autocast
+    # on the host, so that the comparison after the updates costs no device memory
+    before = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+
+    losses, grad_norms = [], []
+    for _ in range(args.updates):
+        t0 = clock(device)
+        old_logprobs = batched_logprobs(model, input_ids, attention_mask, C, TEMPERATURE, mbs, autocast_dtype)
+        t1 = clock(device)
+        # one minibatch: the micro-batches' gradients accumulate into one optimizer step
+        num_tokens, loss_sum, entropies = completion_mask.sum(), 0.0, []
+        for i in range(0, B, mbs):
+            micro = slice(i, i + mbs)
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                logprobs, entropy = forward_logprobs(model, input_ids[micro], attention_mask[micro], C,
+                                                     TEMPERATURE, with_entropy=True)
+            loss = grpo_loss(logprobs, old_logprobs[micro], advantages[micro], completion_mask[micro], num_tokens, B)
+            loss.backward()  # micro-batch losses add up to the minibatch loss
+            loss_sum += loss.item()
+            entropies.append(masked_mean(entropy, completion_mask[micro]).item())
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable.values(), MAX_GRAD_NORM)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        t2 = clock(device)
+        losses.append(loss_sum)
+        grad_norms.append(float(grad_norm))
+
+    changed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach().cpu())}
+    completion_tokens = int(completion_mask.sum())
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "trainable_params": sum(p.numel() for p in trainable.values()),
+        "completion_tokens": completion_tokens,
+        "padded_tokens": input_ids.numel(),
+        "logprobs_s": t1 - t0,
+        "update_s": t2 - t1,
+        "tokens_per_s": completion_tokens / (t2 - t1),
+        "peak_memory_gib": peak_memory_gib(device),
+        "loss": losses[-1],
+        "grad_norm": grad_norms[-1],
+        "entropy": sum(entropies) / len(entropies),
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "trainable_tensors": len(trainable),
+        "trainable_changed": len(changed & trainable.keys()),
+        "unchanged_trainable": sorted(trainable.keys() - changed),
+        "frozen_tensors": len(before) - len(trainable),
+        "frozen_changed": len(changed - trainable.keys()),
+    }
+
+
+def run_variant(name: str, args, device: torch.device) -> dict:
+    lora, gradient_checkpointing = VARIANTS[name]
+    if lora and peft is None:
+        return {"variant": name, "status": "skipped: peft is not installed"}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        result = {"variant": name, **measure(lora, gradient_checkpointing, args, device)}
+    except torch.OutOfMemoryError:
+        result = {"variant": name, "status": "FAILED: out of memory"}
+    # the model and optimizer died with measure(): give their memory back before the next variant
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if "status" in result:
+        return result
+    problems = []
+    if not all(math.isfinite(x) for x in result["losses"] + result["grad_norms"]):
+        problems.append("loss or grad norm not finite")
+    if result["trainable_changed"] == 0:
+        problems.append("the updates changed no trainable weight")
+    if result["frozen_changed"]:
+        problems.append(f"{result['frozen_changed']} frozen tensors changed")
+    result["status"] = "FAILED: " + "; ".join(problems) if problems else "ok"
+    return result
+
+
+def describe(result: dict, device: torch.device) -> str:
+    if "loss" not in result:
+        return f"{result['variant']:8s} {result['status']}"
+    memory = "peak GPU memory allocated" if device.type == "cuda" else "peak process RSS"
+    return (f"{result['variant']:8s} {result['tokens_per_s']:>10,.0f} tokens/s  {memory} "
+            f"{result['peak_memory_gib']:6.2f} GiB  loss {result['loss']:+.5f}  grad norm {result['grad_norm']:.4f}  "
+            f"entropy {result['entropy']:.2f}  trainable {result['trainable_params'] / 1e6:.2f}M  "
+            f"changed {result['trainable_changed']}/{result['trainable_tensors']}  {result['status']}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--config", choices=list(CONFIGS), default="qwen2.5-0.5b",
+                   help="model architecture (tiny: a toy Qwen2 for CPU tests)")
+    p.add_argument("--micro-batch-size", type=int, default=16, help="sequences per forward/backward")
+    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches accumulated into the one optimizer step")
+    p.add_argument("--prompt-len", type=int, default=128, help="longest prompt, tokens")
+    p.add_argument("--completion-len", type=int, default=384, help="longest completion, tokens")
+    p.add_argument("--updates", type=int, default=2, help="updates per variant; the numbers printed are the last one's")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--json", metavar="PATH", help="also write the numbers, device and versions here")
+    args = p.parse_args(argv)
+    for flag in ("micro_batch_size", "micro_batches", "prompt_len", "completion_len", "updates"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1")
+    return args
+
+
+def main(argv=None) -> int:
+    """Run the variants, print a line each; return the exit status (0: all ran and passed)."""
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    device_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+                   else f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__,
+                "peft": peft.__version__ if peft is not None else None}
+    print(f"{device_name}  " + "  ".join(f"{k} {v or 'not installed'}" for k, v in versions.items()))
+    print(f"{args.config}, fp32 weights{', bf16 autocast' if device.type == 'cuda' else ''}: "
+          f"{args.micro_batches} x {args.micro_batch_size} sequences of <= {args.prompt_len} prompt + "
+          f"{args.completion_len} completion tokens, {args.updates} updates per variant")
+
+    results = []
+    for name in args.variants:
+        results.append(run_variant(name, args, device))
+        print(describe(results[-1], device), flush=True)
+
+    if args.json:
+        report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "device": device_name, **versions, "args": vars(args), "variants": results}
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    failed = [r["variant"] for r in results if r["status"].startswith("FAILED")]
+    if failed:
+        print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

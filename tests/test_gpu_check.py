@@ -1,0 +1,89 @@
+"""benchmarks/gpu_check.py at toy size on CPU: the update it measures really trains (the
+trainable weights move, LoRA's base weights don't), gradient checkpointing changes memory but
+not the gradient, and a NaN fails the run."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from benchmarks import gpu_check
+
+TINY = ["--config", "tiny", "--device", "cpu", "--micro-batch-size", "2", "--micro-batches", "2",
+        "--prompt-len", "8", "--completion-len", "8", "--updates", "2"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The machine's cores are shared; the toy model needs no more than one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run(tmp_path, *flags):
+    """main() in this process; returns its exit status and the --json report, by variant."""
+    path = tmp_path / "gpu_check.json"
+    status = gpu_check.main([*TINY, "--json", str(path), *flags])
+    report = json.loads(path.read_text())
+    return status, report, {r["variant"]: r for r in report["variants"]}
+
+
+def assert_trained(r):
+    assert r["status"] == "ok"
+    assert all(math.isfinite(x) for x in r["losses"] + r["grad_norms"])
+    assert all(g > 0 for g in r["grad_norms"])
+    assert r["tokens_per_s"] > 0 and r["peak_memory_gib"] > 0
+    assert r["completion_tokens"] == int(r["completion_tokens"]) > 0
+    # every trainable tensor moved (LoRA's A matrices only from the second update: B starts at 0)
+    assert r["trainable_changed"] == r["trainable_tensors"] > 0 and r["unchanged_trainable"] == []
+    assert 0 < r["trainable_params"] <= r["params"]
+
+
+def test_full_finetuning_with_and_without_checkpointing(tmp_path, capsys):
+    status, report, by_name = run(tmp_path, "--variants", "full", "full+gc")
+    assert status == 0
+    for name in ("full", "full+gc"):
+        assert_trained(by_name[name])
+        assert by_name[name]["frozen_tensors"] == 0  # every weight trains
+        assert by_name[name]["trainable_params"] == by_name[name]["params"]
+    # recomputing activations in the backward changes memory, not the math (fp32 on CPU)
+    assert by_name["full+gc"]["grad_norms"] == pytest.approx(by_name["full"]["grad_norms"], rel=1e-5)
+    assert by_name["full+gc"]["losses"] == pytest.approx(by_name["full"]["losses"], rel=1e-5)
+    # a random model's next-token distribution is near uniform: entropy close to ln(vocab)
+    assert by_name["full"]["entropy"] == pytest.approx(math.log(512), abs=0.1)
+    assert report["torch"] == torch.__version__ and report["device"].startswith("CPU") and report["date"]
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "peak process RSS" in out
+
+
+def test_lora_trains_only_the_adapters(tmp_path):
+    pytest.importorskip("peft")
+    status, _, by_name = run(tmp_path, "--variants", "full", "lora", "lora+gc")
+    assert status == 0
+    for name in ("lora", "lora+gc"):
+        r = by_name[name]
+        assert_trained(r)
+        assert r["frozen_tensors"] == by_name["full"]["trainable_tensors"]  # the whole base model is frozen
+        assert r["frozen_changed"] == 0  # and stays bit for bit what it was
+        assert r["params"] == by_name["full"]["params"] + r["trainable_params"]  # base + adapters
+    assert by_name["lora+gc"]["grad_norms"] == pytest.approx(by_name["lora"]["grad_norms"], rel=1e-5)
+
+
+def test_lora_without_peft_is_skipped_not_failed(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "peft", None)
+    status, _, by_name = run(tmp_path, "--variants", "lora", "full")
+    assert status == 0
+    assert by_name["lora"]["status"].startswith("skipped")
+    assert by_name["full"]["status"] == "ok"
+
+
+def test_nan_loss_fails_the_run(tmp_path, monkeypatch, capsys):
+    loss = gpu_check.grpo_loss
+    monkeypatch.setattr(gpu_check, "grpo_loss", lambda *a: loss(*a) * float("nan"))
+    status, _, by_name = run(tmp_path, "--variants", "full")
+    assert status == 1
+    assert by_name["full"]["status"].startswith("FAILED") and "not finite" in by_name["full"]["status"]
+    assert "FAILED: full" in capsys.readouterr().err
