@@ -4,24 +4,27 @@ For each prompt x, sample G completions y_1..y_G from the old policy and score t
 a verifiable reward R_i. The advantage of every token of y_i is its reward normalized
 within the group (no critic):
 
-    A_i = (R_i - mean_j R_j) / (std_j R_j + eps)          (--no-scale-rewards: no std, Dr. GRPO)
+    A_i = (R_i - mean_j R_j) / (std_j R_j + eps)          (--no-scale-rewards: no std)
 
 and the policy maximizes the clipped surrogate with a KL penalty to a frozen reference:
 
     L = agg_{i,t} [ -min(r_t A_i, clip(r_t, 1 - eps_low, 1 + eps_high) A_i) + beta * KL_t ]
     r_t  = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t)
-    KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1     (the k3 estimator, >= 0, unbiased)
+    KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1     (k3, >= 0: the paper's choice)
 
-agg is --loss-agg (the paper: mean over tokens, then over sequences). Each rollout batch is
-reused for num_epochs x num_minibatches optimizer steps, so r_t moves away from 1 and the
-clipping matters (DAPO's clip-higher: --eps-high 0.28).
+agg is --loss-agg (the paper: mean over tokens, then over sequences). k3 estimates
+KL(pi || pi_ref) without bias at samples of pi, but as a loss term its gradient is not the
+gradient of that KL; it is what the paper does. Dr. GRPO is --no-scale-rewards together with
+--loss-agg seq-mean-token-sum-norm. Each rollout batch is reused for num_epochs x
+num_minibatches optimizer steps, so r_t moves away from 1 and the clipping matters (DAPO's
+clip-higher: --eps-high 0.28).
 """
 
 import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: weight sync is a copy
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the progress bar is the output, not vLLM's INFO lines
 
-import json
 import sys
 import time
 from collections import defaultdict
@@ -29,20 +32,21 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import tyro
 from tqdm import tqdm
 from vllm import SamplingParams
 
-from common.models import check_model, create_engine, frozen_copy, load_policy, load_tokenizer, sync_weights
+from common.errors import RunError, need
+from common.models import check_model, create_engine, freeze, load_policy, load_tokenizer, sync_weights
 from common.ops import aggregate, batched_logprobs, forward_logprobs, make_batch, masked_mean
-from common.tasks import encode_prompts, load_task, stop_token_ids
-from common.utils import (ConfigError, GracefulInterrupt, MetricsLogger, check_args, evaluate,
-                          load_checkpoint, need, peak_memory_gib, save_checkpoint, seed_everything, timed)
+from common.tasks import encode_prompts, evaluate, load_task, stop_token_ids
+from common.utils import GracefulInterrupt, Run, check_args, parse_args, peak_memory_gib, seed_everything, timed
 
 
 @dataclass
 class Args:
     # experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment: run folders are runs/EXP_NAME__TASK__SEED__TIME"""
     model: str = "models/tiny-sort"
     """hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct) or local folder of the initial policy"""
     task: str = "sort"
@@ -51,7 +55,12 @@ class Args:
     steps: int = 100
     """rollout-and-update iterations"""
     output_dir: str | None = None
-    """where metrics, checkpoints and the final model go (default: runs/grpo__TASK__SEED__TIME)"""
+    """the run folder: metrics, checkpoints, final model (default: runs/EXP_NAME__TASK__SEED__TIME); new or empty"""
+    overwrite: bool = False
+    """empty --output-dir first if an earlier run is in it (without it, such a folder is refused)"""
+    resume: str | None = None
+    """checkpoint (runs/.../checkpoints/step_N) or run folder (its latest checkpoint) to continue;
+    the run's own arguments are restored (see RESUMABLE_CHANGES in common/utils.py)"""
 
     # rollout
     prompts_per_step: int = 32
@@ -87,7 +96,7 @@ class Args:
     kl_coef: float = 0.04
     """beta, weight of the k3 KL to the reference in the loss; 0 loads no reference model"""
     scale_rewards: bool = True
-    """divide group-centered rewards by the group std (False: Dr. GRPO)"""
+    """divide group-centered rewards by the group std (--no-scale-rewards with --loss-agg seq-mean-token-sum-norm: Dr. GRPO)"""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
         "seq-mean-token-mean")
     """how per-token losses are averaged (seq-mean-token-sum-norm divides by max_new_tokens)"""
@@ -110,8 +119,6 @@ class Args:
     """greedy held-out evaluation every N steps (and at start and end); 0 only at start and end"""
     save_every: int = 50
     """checkpoint every N steps; 0 only on Ctrl-C"""
-    resume: str | None = None
-    """checkpoint folder to continue from (runs/.../checkpoints/step_N)"""
     tensorboard: bool = False
     track: bool = False
     """log to Weights & Biases"""
@@ -162,14 +169,10 @@ def main(args: Args) -> None:
     max_prompt_len = max(len(p) for p in encode_prompts(tokenizer, [e["prompt"] for e in task.train + task.eval],
                                                         args.chat_template, args.system_prompt))
     check_args(args, max_context=config.max_position_embeddings, max_prompt_len=max_prompt_len)
-    need(0 <= args.eps_low < 1 and args.eps_high >= 0, "--eps-low must be in [0, 1) and --eps-high >= 0")
+    need(0 <= args.eps_low < 1, f"--eps-low must be in [0, 1), got {args.eps_low}")
+    need(args.eps_high >= 0, f"--eps-high must be >= 0, got {args.eps_high}")
     need(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
-    if args.resume is not None:
-        need(os.path.isfile(os.path.join(args.resume, "trainer_state.pt")),
-             f"--resume {args.resume!r} is not a checkpoint folder (no trainer_state.pt)")
-    run_name = f"grpo__{args.task}__{args.seed}__{int(time.time())}"
-    output_dir = args.output_dir or (os.path.dirname(os.path.dirname(os.path.abspath(args.resume)))
-                                     if args.resume else os.path.join("runs", run_name))
+    run = Run(args)  # the run folder (new, or the resumed run's), checked before anything heavy
     device = "cuda" if torch.cuda.is_available() else "cpu"
     autocast_dtype = torch.bfloat16 if device == "cuda" and args.bf16_autocast else None
 
@@ -181,43 +184,38 @@ def main(args: Args) -> None:
     policy = load_policy(args.resume and os.path.join(args.resume, "policy") or args.model, tokenizer,
                          args.dtype, device, args.gradient_checkpointing)
     # the reference is the initial model, also when resuming (unless refreshed, see ref_update_every)
-    ref_model = frozen_copy(load_policy(args.model, tokenizer, args.dtype, device)) if args.kl_coef > 0 else None
+    ref_model = freeze(load_policy(args.model, tokenizer, args.dtype, device)) if args.kl_coef > 0 else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     prompt_sampler = torch.Generator().manual_seed(args.seed)
-    start_step = 0
     if args.resume:
-        state = load_checkpoint(args.resume)
+        state = run.load_checkpoint()
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         prompt_sampler.set_state(state["prompt_sampler"])
         if ref_model is not None and "ref_model" in state:
             ref_model.load_state_dict(state["ref_model"])
-        start_step = state["step"]
     sync_weights(llm, policy)  # vLLM loaded args.model; after --resume the policy differs
-    logger = MetricsLogger(output_dir, args, start_step, args.tensorboard, args.track, args.wandb_project)
 
     def checkpoint(step: int) -> str:
-        path = os.path.join(output_dir, "checkpoints", f"step_{step}")
-        state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+        state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                  "prompt_sampler": prompt_sampler.get_state()}
         if ref_model is not None and args.ref_update_every:
             state["ref_model"] = ref_model.state_dict()
-        save_checkpoint(path, {"policy": policy}, tokenizer, state)
-        return path
+        return run.save_checkpoint(step, {"policy": policy}, tokenizer, state)
 
-    print(f"grpo: {args.model} on {args.task} ({device}), {args.steps} steps of {args.prompts_per_step} prompts "
-          f"x {args.completions_per_prompt} completions -> {output_dir}")
+    print(f"{args.exp_name}: {args.model} on {args.task} ({device}), {args.steps} steps of "
+          f"{args.prompts_per_step} prompts x {args.completions_per_prompt} completions -> {run.dir}")
     first_eval = evaluate(llm, tokenizer, task, args.max_new_tokens, args.chat_template, args.system_prompt)
-    if start_step == 0:
-        logger.log(0, first_eval)
+    if run.start_step == 0:
+        run.log(0, first_eval)
     # the template's end-of-turn token ends a completion like EOS (and stays in its loss mask)
     sampling_params = SamplingParams(n=args.completions_per_prompt, temperature=args.temperature,
                                      max_tokens=args.max_new_tokens, logprobs=0,
                                      stop_token_ids=stop_token_ids(tokenizer))
     G, B = args.completions_per_prompt, args.prompts_per_step * args.completions_per_prompt
-    metrics, eval_metrics, t_start = {}, first_eval, time.perf_counter()
-    progress = tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, desc="grpo")
+    metrics, eval_metrics = {}, first_eval
+    progress = tqdm(range(run.start_step, args.steps), initial=run.start_step, total=args.steps, desc=args.exp_name)
     with GracefulInterrupt() as interrupt:
         for step in progress:
             times = {}
@@ -309,7 +307,7 @@ def main(args: Args) -> None:
             if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.steps:
                 eval_metrics = evaluate(llm, tokenizer, task, args.max_new_tokens, args.chat_template, args.system_prompt)
                 metrics.update(eval_metrics)
-            logger.log(step + 1, metrics)
+            run.log(step + 1, metrics)
             progress.set_postfix(reward=f"{float(metrics['reward/mean']):.3f}",
                                  eval_acc=f"{eval_metrics['eval/accuracy']:.3f}",
                                  kl=f"{float(metrics.get('kl/ref', 0.0)):.4f}")
@@ -317,24 +315,14 @@ def main(args: Args) -> None:
                 path = checkpoint(step + 1)
                 if interrupt.requested:
                     print(f"saved checkpoint {path}; continue with --resume {path}")
-                    logger.close()
-                    return
+                    run.close()
+                    sys.exit(interrupt.exit_code)  # 130 (Ctrl-C), 143 (SIGTERM): not a finished run
 
-    final_dir = os.path.join(output_dir, "final")
-    policy.save_pretrained(final_dir)
-    tokenizer.save_pretrained(final_dir)
-    summary = {"eval/accuracy_start": first_eval["eval/accuracy"] if start_step == 0 else None,
-               "eval/accuracy_end": eval_metrics["eval/accuracy"], "steps": args.steps,
-               "wall_time_s": time.perf_counter() - t_start}
-    with open(os.path.join(output_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    logger.close()
-    print(f"done: held-out accuracy {first_eval['eval/accuracy']:.3f} -> {eval_metrics['eval/accuracy']:.3f}; "
-          f"final model in {final_dir}")
+    run.finish(policy, tokenizer, eval_metrics)
 
 
 if __name__ == "__main__":
     try:
-        main(tyro.cli(Args))
-    except ConfigError as e:
+        main(parse_args(Args))
+    except RunError as e:
         sys.exit(f"error: {e}")

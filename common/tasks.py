@@ -31,7 +31,8 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from common.utils import ConfigError
+from common.errors import ConfigError
+from common.hub import hub_reachable
 
 
 @dataclass
@@ -175,12 +176,15 @@ def make_gsm8k_task(seed: int = 0, source="openai/gsm8k", num_eval: int | None =
         if not os.path.isdir(path) and not is_hub_id:
             raise ConfigError(f"gsm8k: {source!r} is not a folder (use --task gsm8k:PATH with a local copy "
                               f"of the hub dataset openai/gsm8k: README.md and main/*.parquet)")
+        online = os.path.isdir(path) or hub_reachable()
         try:
             splits = {s: datasets.load_dataset(path if os.path.isdir(path) else source, "main", split=s)
                       for s in ("train", "test")}
         except Exception as e:
             first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise ConfigError(f"gsm8k: cannot load {source!r} ({first_line}); without the hub, download "
+            why = "the Hugging Face hub is unreachable from here (offline?) and it is not cached" if not online \
+                else first_line
+            raise ConfigError(f"gsm8k: cannot load {source!r} ({why}); without the hub, download "
                               f"openai/gsm8k elsewhere and use --task gsm8k:PATH") from None
     else:
         splits = source
@@ -443,3 +447,23 @@ def stop_token_ids(tokenizer) -> list[int]:
     the completion counts as finished, finish_reason "stop", not truncated)."""
     ids = [tokenizer.eos_token_id] + end_of_turn_token_ids(tokenizer)
     return list(dict.fromkeys(i for i in ids if i is not None))
+
+
+# ---------------------------------------------------------------------------------------
+# evaluation: greedy decoding on the held-out split
+# ---------------------------------------------------------------------------------------
+
+def evaluate(llm, tokenizer, task, max_new_tokens: int, chat_template: bool = True,
+             system_prompt: str | None = None) -> dict:
+    """Greedy accuracy (reward >= 1) and mean reward on the task's eval split, through vLLM.
+
+    Prompts are encoded and completions stopped as in training: pass the same
+    chat_template / system_prompt as to encode_prompts (stop tokens: stop_token_ids)."""
+    from vllm import SamplingParams  # imported here: the tasks themselves need no vLLM
+
+    prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in task.eval], chat_template, system_prompt)
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy, use_tqdm=False)
+    rewards = [task.reward(o.outputs[0].text, e) for o, e in zip(outputs, task.eval)]
+    return {"eval/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+            "eval/reward_mean": sum(rewards) / len(rewards)}

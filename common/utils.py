@@ -1,42 +1,64 @@
-"""Plumbing shared by all six scripts and belonging to no algorithm: argument checks,
-seeding, metric sinks, greedy evaluation, checkpoints and a graceful Ctrl-C."""
+"""Plumbing shared by all six scripts and belonging to no algorithm: the run's arguments
+(checked, and restored on --resume), its folder (metrics, checkpoints, final model,
+summary), seeding, and stopping cleanly on Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import math
 import os
 import random
+import re
 import resource
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from common.errors import ConfigError, RunError, need
 
 # ---------------------------------------------------------------------------------------
-# arguments and seeding
+# arguments
 # ---------------------------------------------------------------------------------------
 
-class ConfigError(ValueError):
-    """Bad input from the user (flags, model path, task, reward function): the scripts
-    print its message as one line and exit, instead of a traceback."""
+# Flags a resumed run may change (each change is printed). Every other flag defines the run
+# (model, task, seed, batch shape, optimizer, algorithm) and is restored from the checkpoint;
+# giving it again with another value is refused.
+RESUMABLE_CHANGES = ("steps", "eval_every", "save_every", "micro_batch_size", "gradient_checkpointing",
+                     "vllm_gpu_memory_utilization", "vllm_cpu_kv_cache_gib", "tensorboard", "track", "wandb_project")
 
 
-def need(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
+def parse_args(Args, argv: list[str] | None = None):
+    """tyro.cli(Args). With --resume, the run's saved arguments become the defaults: the run
+    continues as it was started, whatever the command line leaves out. Flags given again
+    with a new value are applied if they are in RESUMABLE_CHANGES, else refused."""
+    import tyro
+
+    args = tyro.cli(Args, args=argv)
+    if args.resume is None:
+        return args
+    checkpoint = find_checkpoint(args.resume)
+    saved = saved_args(Args, checkpoint)
+    args = tyro.cli(Args, args=argv, default=saved)
+    args.resume = checkpoint  # --resume RUN_FOLDER means its latest checkpoint
+    check_resume(args, saved)
+    for name in RESUMABLE_CHANGES:
+        if hasattr(args, name) and getattr(args, name) != getattr(saved, name):
+            print(f"resume: --{name.replace('_', '-')} {getattr(saved, name)} -> {getattr(args, name)}")
+    return args
 
 
 def check_args(args, max_context: int, max_prompt_len: int, min_completions: int = 2) -> None:
     """One clear line for each bad value of the fields every script shares."""
-
     need(args.steps > 0, f"--steps must be positive, got {args.steps}")
+    need(args.seed >= 0, f"--seed must be >= 0, got {args.seed}")
     need(args.lr > 0 and math.isfinite(args.lr), f"--lr must be positive, got {args.lr}")
     need(args.prompts_per_step > 0, f"--prompts-per-step must be positive, got {args.prompts_per_step}")
     need(args.completions_per_prompt >= min_completions,
@@ -50,6 +72,11 @@ def check_args(args, max_context: int, max_prompt_len: int, min_completions: int
     need(args.micro_batch_size > 0, f"--micro-batch-size must be positive, got {args.micro_batch_size}")
     need(args.max_grad_norm > 0, f"--max-grad-norm must be positive, got {args.max_grad_norm}")
     need(args.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    need(args.eval_every >= 0, f"--eval-every must be >= 0 (0: only at start and end), got {args.eval_every}")
+    need(args.save_every >= 0, f"--save-every must be >= 0 (0: only on Ctrl-C), got {args.save_every}")
+    need(args.vllm_cpu_kv_cache_gib >= 1, f"--vllm-cpu-kv-cache-gib must be >= 1, got {args.vllm_cpu_kv_cache_gib}")
+    need(0 < args.vllm_gpu_memory_utilization <= 1,
+         f"--vllm-gpu-memory-utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
     if hasattr(args, "num_minibatches"):  # scripts that reuse a rollout batch for several updates
         batch = args.prompts_per_step * args.completions_per_prompt
         need(args.num_minibatches > 0 and batch % args.num_minibatches == 0,
@@ -57,6 +84,94 @@ def check_args(args, max_context: int, max_prompt_len: int, min_completions: int
              f"(prompts_per_step x completions_per_prompt = {batch})")
         need(args.num_epochs > 0, f"--num-epochs must be positive, got {args.num_epochs}")
 
+
+# ---------------------------------------------------------------------------------------
+# resuming: which checkpoint, made by what
+# ---------------------------------------------------------------------------------------
+
+def script_name(args) -> str:
+    """The file that defines this Args class (grpo.py, ...): what made a checkpoint."""
+    return os.path.basename(sys.modules[type(args).__module__].__file__)
+
+
+def find_checkpoint(path: str) -> str:
+    """--resume's folder: a checkpoint (runs/X/checkpoints/step_N), or a run folder (its
+    latest checkpoint). Anything else is one line."""
+    path = os.path.expanduser(path.rstrip("/"))
+    if path.endswith(".tmp"):
+        raise ConfigError(f"--resume {path!r} is a half-written checkpoint (its save did not finish); "
+                          f"resume from a complete one: {latest_checkpoint(os.path.dirname(os.path.dirname(path)))}")
+    need(os.path.isdir(path), f"--resume {path!r}: no such folder")
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        latest = latest_checkpoint(path)
+        need(latest is not None, f"--resume {path!r}: this run folder has no checkpoint to resume from")
+        return latest
+    need(os.path.isfile(os.path.join(path, "trainer_state.pt")),
+         f"--resume {path!r} is not a checkpoint folder (no trainer_state.pt)")
+    need(os.path.isfile(os.path.join(path, "run.json")),
+         f"--resume {path!r} was written by an older version of these scripts (no run.json): "
+         f"its arguments are unknown, start a new run from its weights with --model {path}/policy")
+    return path
+
+
+def latest_checkpoint(run_dir: str) -> str | None:
+    ckpts = sorted(Path(run_dir, "checkpoints").glob("step_*[0-9]"), key=lambda p: int(p.name[5:]))
+    return str(ckpts[-1]) if ckpts else None
+
+
+def read_run_info(checkpoint: str) -> dict:
+    with open(os.path.join(checkpoint, "run.json")) as f:
+        return json.load(f)
+
+
+def saved_args(Args, checkpoint: str):
+    """The arguments a checkpoint's run was made with, as an Args, after checking that it
+    was made by this script; resuming continues in the checkpoint's run folder."""
+    info = read_run_info(checkpoint)
+    script = os.path.basename(sys.modules[Args.__module__].__file__)
+    need(info["script"] == script,
+         f"--resume {checkpoint!r}: this checkpoint was made by {info['script']} (model {info['args']['model']!r}), "
+         f"not {script}; resume it with: python {info['script']} --resume {checkpoint}")
+    fields = {f.name for f in dataclasses.fields(Args)}
+    unknown = sorted(set(info["args"]) - fields)
+    need(not unknown, f"--resume {checkpoint!r}: the checkpoint has arguments this {script} does not know "
+                      f"({', '.join(unknown)}): it was made by another version of the script")
+    saved = Args(**{k: v for k, v in info["args"].items()})
+    saved.resume = checkpoint
+    saved.output_dir = run_folder_of(checkpoint)
+    return saved
+
+
+def run_folder_of(checkpoint: str) -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))
+
+
+def forks(args) -> bool:
+    """Whether a resume continues in another folder than its checkpoint's (a fork of the run)."""
+    return args.output_dir is not None and os.path.abspath(args.output_dir) != run_folder_of(args.resume)
+
+
+def check_resume(args, saved=None) -> None:
+    """Refuse a resume whose arguments define another run than the checkpoint's."""
+    script = script_name(args)
+    info = read_run_info(args.resume)
+    need(info["script"] == script,
+         f"--resume {args.resume!r}: this checkpoint was made by {info['script']} (model "
+         f"{info['args']['model']!r}), not {script}; resume it with: python {info['script']} --resume {args.resume}")
+    need(not args.overwrite or forks(args), "--overwrite and --resume contradict each other: a resumed run "
+                                            "continues in its own folder (or give a new --output-dir)")
+    saved = info["args"] if saved is None else dataclasses.asdict(saved)
+    refused = [f"--{k.replace('_', '-')} {saved[k]!r} (you asked for {getattr(args, k)!r})"
+               for k in saved if k not in RESUMABLE_CHANGES + ("resume", "output_dir", "overwrite")
+               and getattr(args, k) != saved[k]]
+    need(not refused, f"--resume {args.resume!r}: this run was made with {'; '.join(refused)}. A resumed run "
+                      f"keeps the flags that define it; those that may change: "
+                      f"{', '.join('--' + k.replace('_', '-') for k in RESUMABLE_CHANGES if hasattr(args, k))}")
+
+
+# ---------------------------------------------------------------------------------------
+# seeding
+# ---------------------------------------------------------------------------------------
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -80,15 +195,214 @@ def set_rng_state(state: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# the run folder
+# ---------------------------------------------------------------------------------------
+
+RUN_FILES = ("args.json", "metrics.jsonl", "checkpoints", "final", "summary.json")
+
+
+class Run:
+    """The run folder, checked before anything heavy starts:
+
+        args.json  metrics.jsonl  checkpoints/step_N/  final/  summary.json
+
+    A new run needs a new or empty folder (--overwrite empties an earlier run's folder). A
+    resumed run continues in its checkpoint's folder, from that checkpoint's step, and drops
+    what the abandoned continuation wrote after it; with another --output-dir it continues
+    in that (new or empty) folder instead and leaves the original alone. Start accuracy and
+    wall time are carried across resumes, so summary.json describes the whole run."""
+
+    def __init__(self, args):
+        self.args, self.script = args, script_name(args)
+        self.start_step, self.accuracy_start, self.wall_time_before = 0, None, 0.0
+        if args.resume:
+            args.resume = find_checkpoint(args.resume)
+            check_resume(args)
+            info = read_run_info(args.resume)
+            self.start_step, self.accuracy_start = info["step"], info["accuracy_start"]
+            self.wall_time_before = info["wall_time_s"]
+            if forks(args):  # a new folder, whose metrics start after the checkpoint's step
+                self.dir = self._new_folder(args)
+                print(f"resume: continuing {args.resume} in a new run folder, {self.dir}")
+            else:
+                self.dir = run_folder_of(args.resume)
+                self._drop_after(self.start_step)
+        else:
+            self.dir = self._new_folder(args)
+        args.output_dir = self.dir  # args.json and checkpoints record where the run lives
+        self.t_start = time.perf_counter()
+        self.logger = MetricsLogger(self.dir, args, self.start_step, args.tensorboard, args.track, args.wandb_project)
+
+    def _new_folder(self, args) -> str:
+        if args.output_dir is None:
+            task = re.sub(r"[^A-Za-z0-9_.-]+", "-", args.task).strip("-")  # jsonl:PATH must not nest folders
+            base = os.path.join("runs", f"{args.exp_name}__{task}__{args.seed}__{int(time.time())}")
+            path, n = base, 1
+            while os.path.exists(path):  # two runs started in the same second
+                path, n = f"{base}_{n}", n + 1
+        else:
+            path = os.path.expanduser(args.output_dir)
+        path = os.path.abspath(path)
+        need(not os.path.exists(path) or os.path.isdir(path), f"--output-dir {path!r} is a file, not a folder")
+        entries = os.listdir(path) if os.path.isdir(path) else []
+        foreign = sorted(set(entries) - set(RUN_FILES) - {"tensorboard", "wandb"})
+        need(not foreign, f"--output-dir {path!r} holds files that no run wrote ({', '.join(foreign[:4])}): "
+                          f"choose a new or empty folder")
+        if holds_progress(path):
+            need(args.overwrite, f"--output-dir {path!r} already holds a run ({', '.join(sorted(entries))}): "
+                                 f"resume it with --resume {path}, choose another folder, or pass --overwrite "
+                                 f"to replace it")
+            print(f"--overwrite: emptying {path}")
+        try:  # a folder we cannot write to fails here, in one line, not at the first metric
+            for entry in entries:  # an earlier run's (--overwrite), or one that died before its first step
+                full = os.path.join(path, entry)
+                shutil.rmtree(full) if os.path.isdir(full) and not os.path.islink(full) else os.remove(full)
+            os.makedirs(path, exist_ok=True)
+            probe = os.path.join(path, ".write-test")
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.remove(probe)
+        except OSError as e:
+            raise ConfigError(f"--output-dir {path!r} is not usable: {e.strerror or e}") from None
+        return path
+
+    def _drop_after(self, step: int) -> None:
+        """Resuming from an earlier checkpoint abandons what the run wrote after it."""
+        later = [p for p in Path(self.dir, "checkpoints").glob("step_*")
+                 if not p.name[5:].isdigit() or int(p.name[5:]) > step]
+        for name in ("final", "final.tmp", "summary.json"):
+            if os.path.exists(os.path.join(self.dir, name)):
+                later.append(Path(self.dir, name))
+        if later:
+            print(f"resume: removing what the run wrote after step {step}: {', '.join(sorted(p.name for p in later))}")
+        for p in later:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+    def log(self, step: int, metrics: dict) -> None:
+        if step == 0 and "eval/accuracy" in metrics:
+            self.accuracy_start = float(metrics["eval/accuracy"])
+        self.logger.log(step, metrics)
+
+    def wall_time(self) -> float:
+        return self.wall_time_before + time.perf_counter() - self.t_start
+
+    def save_checkpoint(self, step: int, models: dict, tokenizer, state: dict) -> str:
+        """checkpoints/step_N: each model in models (e.g. {"policy": policy}) as a
+        save_pretrained folder, trainer_state.pt (step, optimizer, scheduler, RNG, ...) and
+        run.json (script, arguments, step, start accuracy, wall time). Written atomically."""
+        path = os.path.join(self.dir, "checkpoints", f"step_{step}")
+        info = {"script": self.script, "step": step, "accuracy_start": self.accuracy_start,
+                "wall_time_s": self.wall_time(), "args": dataclasses.asdict(self.args)}
+        with atomic_folder(path) as tmp:
+            for name, model in models.items():
+                model.save_pretrained(os.path.join(tmp, name))
+                tokenizer.save_pretrained(os.path.join(tmp, name))
+            torch.save({**state, "step": step, "rng": rng_state()}, os.path.join(tmp, "trainer_state.pt"))
+            write_json(os.path.join(tmp, "run.json"), info)
+        return path
+
+    def load_checkpoint(self) -> dict:
+        """The resumed checkpoint's trainer state (models load from its folders); restores RNG."""
+        state = torch.load(os.path.join(self.args.resume, "trainer_state.pt"), weights_only=False)
+        set_rng_state(state["rng"])
+        return state
+
+    def finish(self, model, tokenizer, eval_metrics: dict) -> None:
+        """final/ (a save_pretrained folder, written atomically) and summary.json."""
+        final_dir = os.path.join(self.dir, "final")
+        with atomic_folder(final_dir) as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        summary = {"eval/accuracy_start": self.accuracy_start, "eval/accuracy_end": eval_metrics["eval/accuracy"],
+                   "steps": self.args.steps, "wall_time_s": self.wall_time()}
+        write_json(os.path.join(self.dir, "summary.json"), summary)
+        self.close()
+        start = "n/a" if self.accuracy_start is None else f"{self.accuracy_start:.3f}"
+        print(f"done: held-out accuracy {start} -> {eval_metrics['eval/accuracy']:.3f}; final model in {final_dir}")
+
+    def close(self) -> None:
+        self.logger.close()
+
+
+def holds_progress(path: str) -> bool:
+    """Whether a folder holds a run worth keeping: a checkpoint, a final model, or metrics of
+    a trained step. A run that died while starting (only args.json and its step-0 metrics)
+    holds nothing, and its folder is reused."""
+    if any(os.path.exists(os.path.join(path, name)) for name in ("checkpoints", "final", "summary.json")):
+        return True
+    try:
+        with open(os.path.join(path, "metrics.jsonl")) as f:
+            return any(json.loads(line)["step"] > 0 for line in f if line.strip())
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError, KeyError):
+        return True  # unreadable metrics: keep them
+
+
+def write_json(path: str, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, default=str)
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str):
+    """with atomic_folder(path) as tmp: write into tmp; it becomes path only when the block
+    completes. A failed save leaves no half folder (the previous one at path stays), and a
+    full disk is said in one line."""
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+        yield tmp
+    except BaseException as e:
+        disk_full = no_space_left(e, tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if disk_full:
+            raise RunError(f"no space left on {filesystem_of(path)} while saving {path}") from None
+        raise
+    old = path + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(path):
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def no_space_left(error: BaseException, path: str) -> bool:
+    """ENOSPC / EDQUOT, or an error from a writer that hides the errno (torch.save says
+    "iostream error") while the filesystem has (almost) no space left."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if "No space left" in str(error):
+        return True
+    try:
+        return isinstance(error, (OSError, RuntimeError)) and shutil.disk_usage(path).free < 2**20
+    except OSError:
+        return False
+
+
+def filesystem_of(path: str) -> str:
+    """The device and mount point that hold path, e.g. "/dev/sdb1 (mounted at /data)"."""
+    mount = os.path.abspath(path)
+    while not os.path.ismount(mount):
+        mount = os.path.dirname(mount)
+    try:
+        with open("/proc/mounts") as f:
+            devices = {fields[1]: fields[0] for fields in (line.split() for line in f) if len(fields) > 1}
+    except OSError:
+        devices = {}
+    return f"{devices[mount]} (mounted at {mount})" if mount in devices else mount
+
+
+# ---------------------------------------------------------------------------------------
 # metrics: a JSONL file always; TensorBoard and Weights & Biases when asked
 # ---------------------------------------------------------------------------------------
 
 class MetricsLogger:
     def __init__(self, output_dir: str, args, start_step: int = 0, tensorboard: bool = False,
                  track: bool = False, wandb_project: str = "rl-lm"):
-        """start_step > 0 (a resumed run) keeps the lines of metrics.jsonl before that step
+        """start_step > 0 (a resumed run) keeps the lines of metrics.jsonl up to that step
         and drops those the interrupted run wrote after its checkpoint."""
-        os.makedirs(output_dir, exist_ok=True)
         path = os.path.join(output_dir, "metrics.jsonl")
         kept = []
         if start_step > 0 and os.path.exists(path):
@@ -98,8 +412,7 @@ class MetricsLogger:
         self.file.writelines(kept)
         self.tb = self.wandb = None
         config = dataclasses.asdict(args)
-        with open(os.path.join(output_dir, "args.json"), "w") as f:
-            json.dump(config, f, indent=2, default=str)
+        write_json(os.path.join(output_dir, "args.json"), config)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
@@ -129,79 +442,31 @@ class MetricsLogger:
 
 
 # ---------------------------------------------------------------------------------------
-# evaluation: greedy decoding on the held-out split
+# stopping cleanly, timing, memory
 # ---------------------------------------------------------------------------------------
-
-def evaluate(llm, tokenizer, task, max_new_tokens: int, chat_template: bool = True,
-             system_prompt: str | None = None) -> dict:
-    """Greedy accuracy (reward >= 1) and mean reward on the task's eval split, through vLLM.
-
-    Prompts are encoded and completions stopped as in training: pass the same
-    chat_template / system_prompt as to encode_prompts (stop tokens: stop_token_ids)."""
-    from vllm import SamplingParams
-
-    from common.tasks import encode_prompts, stop_token_ids
-
-    prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in task.eval], chat_template, system_prompt)
-    greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy, use_tqdm=False)
-    rewards = [task.reward(o.outputs[0].text, e) for o, e in zip(outputs, task.eval)]
-    return {"eval/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
-            "eval/reward_mean": sum(rewards) / len(rewards)}
-
-
-# ---------------------------------------------------------------------------------------
-# checkpoints
-# ---------------------------------------------------------------------------------------
-
-def save_checkpoint(path: str, models: dict, tokenizer, state: dict) -> None:
-    """Each model in models (e.g. {"policy": policy}) as a save_pretrained folder, plus
-    trainer_state.pt (step, optimizer, scheduler, RNG, ...). Written to a temporary folder
-    and renamed, so a crash while saving never leaves a half-written checkpoint."""
-    tmp = path + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    for name, model in models.items():
-        model.save_pretrained(os.path.join(tmp, name))
-        tokenizer.save_pretrained(os.path.join(tmp, name))
-    torch.save({**state, "rng": rng_state()}, os.path.join(tmp, "trainer_state.pt"))
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path: str) -> dict:
-    """The trainer state of a checkpoint (models are loaded from its folders); restores RNG."""
-    file = os.path.join(path, "trainer_state.pt")
-    if not os.path.isfile(file):
-        raise ConfigError(f"--resume {path!r} is not a checkpoint folder (no trainer_state.pt)")
-    state = torch.load(file, weights_only=False)
-    set_rng_state(state["rng"])
-    return state
-
-
-def latest_checkpoint(output_dir: str) -> str | None:
-    ckpts = sorted(Path(output_dir, "checkpoints").glob("step_*[0-9]"), key=lambda p: int(p.name[5:]))
-    return str(ckpts[-1]) if ckpts else None
-
 
 class GracefulInterrupt:
-    """First Ctrl-C asks the loop to stop after the current step (which then saves a
-    checkpoint); a second Ctrl-C stops at once."""
+    """The first Ctrl-C or SIGTERM (what schedulers and `timeout` send) asks the loop to stop
+    after the current step, which then saves a checkpoint and exits with 128 + the signal's
+    number (130, 143), so a wrapper can tell it from a finished run. A second one stops at once."""
 
     def __init__(self):
-        self.requested = False
+        self.requested, self.exit_code = False, 0
 
     def __enter__(self):
-        self._previous = signal.signal(signal.SIGINT, self._handle)
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
         return self
 
     def _handle(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = True
-        print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to abort)", flush=True)
+        self.requested, self.exit_code = True, 128 + signum
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"\n{name}: finishing this step, then saving a checkpoint (again to abort)", flush=True)
 
     def __exit__(self, *exc):
-        signal.signal(signal.SIGINT, self._previous)
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
         return False
 
 

@@ -13,6 +13,11 @@ import torch  # noqa: E402
 TINY_MODEL = str(ROOT / "models" / "tiny-sort")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: learning runs and whole benchmark or real-model runs, minutes "
+                                       "each (CI runs them; a quick loop: pytest -m 'not slow')")
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from common.models import load_tokenizer
@@ -29,9 +34,52 @@ def tiny_policy(tokenizer):
     return load_policy(TINY_MODEL, tokenizer, "float32", "cpu")
 
 
+# Every vLLM engine a test creates lives until the session ends: dropping one tears down
+# vLLM's process-wide parallel state, which breaks the engines still in use.
+ENGINES = []
+
+
+def keep_engine(engine):
+    ENGINES.append(engine)
+    return engine
+
+
 @pytest.fixture(scope="session")
 def llm():
     """One in-process vLLM engine for the whole session (an engine takes seconds to start)."""
     from common.models import create_engine
 
-    return create_engine(TINY_MODEL, seed=0, max_model_len=64)
+    return keep_engine(create_engine(TINY_MODEL, seed=0, max_model_len=64))
+
+
+@pytest.fixture()
+def run_main(llm, monkeypatch):
+    """run_main("grpo.py", *flags): the script's main() in this process, from a command line
+    parsed as its __main__ parses it; returns the parsed arguments. A new engine costs
+    seconds, so runs share one: the session's on the tiny model, or the `engine` given for
+    another model. main() syncs its policy into the engine first, as into a fresh one."""
+    import importlib
+
+    from common.models import create_engine
+    from common.utils import parse_args
+
+    monkeypatch.chdir(ROOT)  # the scripts' default model is a relative path
+
+    def run(script: str, *flags, engine=None):
+        module = importlib.import_module(script.removesuffix(".py"))
+        args = parse_args(module.Args, [str(f) for f in flags])
+        if engine is None and os.path.isdir(args.model) and os.path.samefile(args.model, TINY_MODEL):
+            engine = llm
+
+        def shared_engine(name_or_path, **kwargs):
+            if engine is None:  # another model: a new engine, kept (see ENGINES)
+                return keep_engine(create_engine(name_or_path, **kwargs))
+            max_len = engine.llm_engine.vllm_config.model_config.max_model_len
+            assert kwargs["max_model_len"] <= max_len, (kwargs, max_len)
+            return engine
+
+        monkeypatch.setattr(module, "create_engine", shared_engine)
+        module.main(args)
+        return args
+
+    return run

@@ -296,6 +296,7 @@ def first_table(section: str) -> tuple[list[str], list[list[str]]]:
     return lines[0], lines[2:]
 
 
+@pytest.mark.slow
 def test_quick_mode_end_to_end(tmp_path):
     out = tmp_path / "quick"
     r = run_benchmark(out)

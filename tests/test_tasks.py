@@ -5,7 +5,7 @@ import math
 import pytest
 
 from common.tasks import Task, encode_prompts, load_task, make_sort_task, sort_partial_reward, sort_reward
-from common.utils import ConfigError
+from common.errors import ConfigError
 
 
 def test_sort_task_is_deterministic_and_held_out():

@@ -1,0 +1,313 @@
+"""A run is never lost or mixed: --resume restores the run's arguments, a used output folder
+is refused, Ctrl-C and SIGTERM save, a failed save leaves the previous checkpoint and no fake
+model, and bad paths or flags are one line before anything heavy starts."""
+
+import errno
+import json
+import os
+import signal
+import shutil
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+from common.errors import ConfigError, RunError
+from common.utils import RESUMABLE_CHANGES, Run, parse_args
+from tests.conftest import ROOT, TINY_MODEL
+from tests.test_grpo_e2e import SMALL, read_metrics
+
+import grpo
+import ppo
+
+
+def fake_checkpoint(run_dir, step: int, script: str = "grpo.py", **flags) -> str:
+    """A checkpoint folder as Run.save_checkpoint writes it, minus the weights: enough for
+    everything that is decided before a model is loaded."""
+    Args = {"grpo.py": grpo.Args, "ppo.py": ppo.Args}[script]
+    args = Args(**flags)
+    args.output_dir = str(run_dir)
+    path = run_dir / "checkpoints" / f"step_{step}"
+    path.mkdir(parents=True)
+    (path / "trainer_state.pt").write_bytes(b"")
+    info = {"script": script, "step": step, "accuracy_start": 0.25, "wall_time_s": 10.0, "args": vars(args)}
+    (path / "run.json").write_text(json.dumps(info))
+    return str(path)
+
+
+# ------------------------------------------------------------------ --resume restores the run
+
+def test_resume_restores_the_saved_arguments_not_the_defaults(tmp_path, capsys):
+    ckpt = fake_checkpoint(tmp_path / "run", 3, prompts_per_step=8, completions_per_prompt=4, eval_every=2,
+                           steps=12, save_every=5, lr=1e-4)
+    args = parse_args(grpo.Args, ["--resume", ckpt])
+    assert (args.prompts_per_step, args.completions_per_prompt, args.eval_every, args.steps, args.save_every,
+            args.lr) == (8, 4, 2, 12, 5, 1e-4)
+    assert args.output_dir == str(tmp_path / "run") and args.resume == ckpt
+    assert "resume:" not in capsys.readouterr().out  # nothing changed, nothing said
+
+    args = parse_args(grpo.Args, ["--resume", ckpt, "--steps", "20", "--eval-every", "4"])
+    assert (args.steps, args.eval_every, args.prompts_per_step) == (20, 4, 8)
+    out = capsys.readouterr().out
+    assert "resume: --steps 12 -> 20" in out and "resume: --eval-every 2 -> 4" in out
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--model", "other/model"], r"made with --model 'models/tiny-sort' \(you asked for 'other/model'\)"),
+    (["--prompts-per-step", "16"], r"--prompts-per-step 8 \(you asked for 16\)"),
+    (["--lr", "1e-3"], r"--lr 0.0001 \(you asked for 0.001\)"),
+    (["--no-scale-rewards"], r"--scale-rewards True \(you asked for False\)"),
+    (["--overwrite"], "--overwrite and --resume contradict each other"),
+])
+def test_resume_refuses_flags_that_define_the_run(tmp_path, flags, message):
+    ckpt = fake_checkpoint(tmp_path / "run", 3, prompts_per_step=8, lr=1e-4)
+    with pytest.raises(ConfigError, match=message):
+        parse_args(grpo.Args, ["--resume", ckpt, *flags])
+
+
+def test_resumable_changes_are_flags_of_every_script():
+    for script in ("grpo", "gspo", "cispo", "reinforce", "rloo", "ppo"):
+        fields = vars(__import__(script).Args())
+        assert all(name in fields for name in RESUMABLE_CHANGES), script
+
+
+def test_resume_of_another_scripts_checkpoint_names_both(tmp_path):
+    ckpt = fake_checkpoint(tmp_path / "run", 2, script="ppo.py")
+    with pytest.raises(ConfigError, match=r"made by ppo.py \(model 'models/tiny-sort'\), not grpo.py; "
+                                          r"resume it with: python ppo.py --resume"):
+        parse_args(grpo.Args, ["--resume", ckpt])
+
+
+def test_resume_finds_the_latest_checkpoint_of_a_run_folder_and_refuses_half_written_ones(tmp_path):
+    run = tmp_path / "run"
+    fake_checkpoint(run, 2)
+    latest = fake_checkpoint(run, 10)
+    (run / "checkpoints" / "step_12.tmp").mkdir()  # a save that died
+    assert parse_args(grpo.Args, ["--resume", str(run)]).resume == latest
+    with pytest.raises(ConfigError, match=f"half-written checkpoint.*resume from a complete one: {latest}"):
+        parse_args(grpo.Args, ["--resume", str(run / "checkpoints" / "step_12.tmp")])
+    with pytest.raises(ConfigError, match="no such folder"):
+        parse_args(grpo.Args, ["--resume", str(run / "checkpoints" / "step_99")])
+    with pytest.raises(ConfigError, match="is not a checkpoint folder"):
+        parse_args(grpo.Args, ["--resume", str(tmp_path)])
+    os.remove(os.path.join(latest, "run.json"))
+    with pytest.raises(ConfigError, match="older version of these scripts"):
+        parse_args(grpo.Args, ["--resume", latest])
+
+
+def test_main_refuses_a_mismatched_resume_too(tmp_path):
+    """main() checks again, for callers that build Args themselves (without parse_args)."""
+    ckpt = fake_checkpoint(tmp_path / "run", 3, prompts_per_step=8)
+    with pytest.raises(ConfigError, match=r"--prompts-per-step 8 \(you asked for 32\)"):
+        grpo.main(grpo.Args(resume=ckpt))
+
+
+# ------------------------------------------------------------------ the output folder
+
+def new_run(tmp_path, **flags) -> Run:
+    run = Run(grpo.Args(output_dir=str(tmp_path / "run"), **flags))
+    run.close()
+    return run
+
+
+def test_a_folder_holding_a_run_is_refused_and_overwrite_empties_it(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    fake_checkpoint(run_dir, 4)
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n{"step": 4}\n')
+    with pytest.raises(ConfigError, match="already holds a run .*resume it with --resume .*or pass --overwrite"):
+        new_run(tmp_path)
+    assert (run_dir / "checkpoints" / "step_4").is_dir()  # untouched
+    run = new_run(tmp_path, overwrite=True)
+    assert "--overwrite: emptying" in capsys.readouterr().out
+    assert sorted(os.listdir(run.dir)) == ["args.json", "metrics.jsonl"]
+    assert (run_dir / "metrics.jsonl").read_text() == ""
+
+
+def test_a_run_that_died_while_starting_leaves_a_reusable_folder(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "args.json").write_text("{}")
+    (run_dir / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.2}\n')
+    assert new_run(tmp_path).dir == str(run_dir)
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda d: d.write_text("x"), "is a file, not a folder"),
+    (lambda d: (d.mkdir(), (d / "notes.txt").write_text("mine")), r"holds files that no run wrote \(notes.txt\)"),
+])
+def test_unusable_output_folders_are_one_line(tmp_path, make, message):
+    make(tmp_path / "run")
+    with pytest.raises(ConfigError, match=message):
+        new_run(tmp_path, overwrite=True)
+
+
+def test_an_unwritable_output_folder_is_one_line():
+    with pytest.raises(ConfigError, match=r"--output-dir '/proc/rl-lm-test' is not usable"):
+        Run(grpo.Args(output_dir="/proc/rl-lm-test"))
+
+
+def test_default_run_folder_name_does_not_nest_a_task_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = Run(grpo.Args(task="jsonl:data/train.jsonl", seed=3))
+    run.close()
+    name = os.path.relpath(run.dir, tmp_path)
+    assert name.startswith("runs/grpo__jsonl-data-train.jsonl__3__") and name.count("/") == 1
+
+
+# ------------------------------------------------------------------ saving
+
+def test_a_full_disk_leaves_the_previous_checkpoint_and_says_so(tmp_path, tiny_policy, tokenizer, monkeypatch):
+    run = Run(grpo.Args(output_dir=str(tmp_path / "run")))
+    first = run.save_checkpoint(2, {"policy": tiny_policy}, tokenizer, {"optimizer": {}})
+
+    def half_then_full(obj, path, *a, **k):
+        open(path, "wb").write(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", half_then_full)
+    with pytest.raises(RunError, match=r"^no space left on .* while saving .*checkpoints/step_4$"):
+        run.save_checkpoint(4, {"policy": tiny_policy}, tokenizer, {"optimizer": {}})
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["step_2"]  # no step_4.tmp
+    assert sorted(os.listdir(first)) == ["policy", "run.json", "trainer_state.pt"]
+
+    # torch.save hides the errno ("iostream error"): a filesystem with no space left says it
+    def iostream_error(obj, path, *a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . basic_ios::clear: iostream error")
+
+    monkeypatch.setattr(torch, "save", iostream_error)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: types.SimpleNamespace(free=0))
+    with pytest.raises(RunError, match="no space left on"):
+        run.save_checkpoint(4, {"policy": tiny_policy}, tokenizer, {"optimizer": {}})
+    run.close()
+
+
+def test_a_failed_final_save_leaves_no_final_model(tmp_path, tiny_policy, tokenizer, monkeypatch):
+    run = Run(grpo.Args(output_dir=str(tmp_path / "run")))
+
+    def config_then_full(path, *a, **k):
+        os.makedirs(path, exist_ok=True)
+        open(os.path.join(path, "config.json"), "w").write("{}")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tiny_policy, "save_pretrained", config_then_full)
+    with pytest.raises(RunError, match=r"no space left on .* while saving .*/final$"):
+        run.finish(tiny_policy, tokenizer, {"eval/accuracy": 0.5})
+    assert sorted(os.listdir(tmp_path / "run")) == ["args.json", "metrics.jsonl"]  # no final/, no final.tmp
+
+
+# ------------------------------------------------------------------ whole runs, in this process
+
+def test_resume_continues_the_run_and_carries_its_start(tmp_path, run_main, capsys):
+    """Three steps saved every step; resuming from step 1 abandons steps 2-3 (checkpoints,
+    final model, summary), continues with the saved batch shape, and summary.json still
+    knows the run's true start accuracy and its whole wall time."""
+    out = tmp_path / "run"
+    run_main("grpo.py", "--steps", "3", "--save-every", "1", "--eval-every", "0", "--output-dir", out, *SMALL)
+    first = json.loads((out / "summary.json").read_text())
+    step_1 = out / "checkpoints" / "step_1"
+    saved_wall_time = json.loads((step_1 / "run.json").read_text())["wall_time_s"]
+
+    args = run_main("grpo.py", "--resume", step_1, "--steps", "2")
+    assert (args.prompts_per_step, args.micro_batch_size) == (4, 3)  # SMALL, not the defaults
+    printed = capsys.readouterr().out
+    assert "resume: --steps 3 -> 2" in printed
+    assert "removing what the run wrote after step 1: final, step_2, step_3, summary.json" in printed
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval/accuracy_start"] == first["eval/accuracy_start"] == metrics[0]["eval/accuracy"]
+    assert summary["wall_time_s"] > saved_wall_time
+    assert f"held-out accuracy {metrics[0]['eval/accuracy']:.3f} -> " in printed
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_1", "step_2"]
+    assert json.loads((out / "args.json").read_text())["steps"] == 2
+
+
+def test_sigint_in_process_saves_and_exits_130(tmp_path, run_main, monkeypatch, capsys):
+    """The first Ctrl-C finishes the step, saves, and exits 130 (not 0: the run did not finish)."""
+    from common.models import sync_weights
+
+    syncs = []
+
+    def sync_and_interrupt(llm, policy):
+        sync_weights(llm, policy)
+        syncs.append(1)
+        if len(syncs) == 3:  # the initial sync, then one per step: Ctrl-C arrives during step 2
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(grpo, "sync_weights", sync_and_interrupt)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        run_main("grpo.py", "--steps", "100", "--save-every", "0", "--output-dir", out, *SMALL)
+    assert exit_info.value.code == 130
+    assert os.listdir(out / "checkpoints") == ["step_2"]
+    assert "Ctrl-C: finishing this step" in capsys.readouterr().out
+    assert read_metrics(out)[-1]["step"] == 2 and not (out / "final").exists()
+
+
+def wait_for_steps(proc, run_dir, steps: int, timeout_s: int = 600) -> None:
+    """Until metrics.jsonl has `steps` trained steps (a safety timeout only)."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            if read_metrics(run_dir)[-1]["step"] >= steps:
+                return
+        except (OSError, IndexError, ValueError):  # not written yet, or a line half written
+            pass
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.time() < deadline, "no progress"
+        time.sleep(0.5)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path):
+    """What schedulers and `timeout` send: handled like the first Ctrl-C (a real signal to a
+    real process; waits for steps in metrics.jsonl, not for a time)."""
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "grpo.py"), "--steps", "1000", "--save-every", "0",
+                             "--output-dir", str(out), *SMALL], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for_steps(proc, out, 2)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 143, output[-3000:]
+    checkpoints = list((out / "checkpoints").iterdir())
+    assert len(checkpoints) == 1 and (checkpoints[0] / "trainer_state.pt").exists()
+    assert "SIGTERM: finishing this step" in output and f"--resume {checkpoints[0]}" in output
+    assert read_metrics(out)[-1]["step"] == int(checkpoints[0].name.removeprefix("step_"))
+
+
+# ------------------------------------------------------------------ offline
+
+@pytest.fixture()
+def hub_unreachable(monkeypatch):
+    """The hub's TCP port refuses, whatever this machine's network is; restored after."""
+    from huggingface_hub import constants
+
+    from common import hub
+
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(name, "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+    def refuse(*args, **kwargs):
+        raise ConnectionRefusedError(errno.ECONNREFUSED, "refused")
+
+    monkeypatch.setattr(hub.socket, "create_connection", refuse)
+    hub.hub_reachable.cache_clear()
+    yield
+    hub.hub_reachable.cache_clear()
+
+
+def test_an_unreachable_hub_is_said_at_once(hub_unreachable):
+    from common.models import check_model
+    from common.tasks import load_task
+
+    with pytest.raises(ConfigError, match="'no-such-org/no-such-model' is not a local folder, and the Hugging Face "
+                                          "hub is unreachable from here"):
+        check_model("no-such-org/no-such-model")
+    with pytest.raises(ConfigError, match="gsm8k: cannot load 'openai/gsm8k' .*hub is unreachable from here"):
+        load_task("gsm8k")
+    assert check_model(TINY_MODEL).model_type == "qwen2"  # local folders need no hub
