@@ -32,10 +32,10 @@ from tqdm import tqdm
 from vllm import SamplingParams
 
 from common.errors import RunError, need
-from common.models import check_model, create_engine, freeze, load_policy, load_tokenizer, sync_weights
+from common.models import check_model, create_engine, load_policy, load_reference, load_tokenizer, sync_weights
 from common.ops import aggregate, batched_logprobs, forward_logprobs, make_batch, masked_mean
 from common.tasks import encode_prompts, evaluate, load_task, stop_token_ids
-from common.utils import GracefulInterrupt, Run, check_args, parse_args, peak_memory_gib, seed_everything, timed
+from common.utils import GracefulInterrupt, Run, check_args, memory_metrics, parse_args, seed_everything, timed
 
 
 @dataclass
@@ -83,6 +83,12 @@ class Args:
     warmup_steps: int = 0
     """linear learning-rate warmup, in optimizer steps"""
     weight_decay: float = 0.0
+    lora_rank: int = 0
+    """train low-rank adapters of this rank (peft) instead of every weight of the policy; 0: full fine-tuning"""
+    lora_alpha: float = 32.0
+    """LoRA scale: the adapters add (alpha / rank) * B A to each target weight"""
+    lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """the policy's modules that get adapters (Llama/Qwen/Mistral names)"""
 
     # algorithm
     eps_low: float = 1.0
@@ -92,20 +98,27 @@ class Args:
     kl_coef: float = 0.04
     """beta, weight of the k3 KL to the reference in the loss; 0 loads no reference model"""
     scale_rewards: bool = True
-    """divide group-centered rewards by the group std (--no-scale-rewards with --loss-agg seq-mean-token-sum-norm: Dr. GRPO)"""
+    """divide group-centered rewards by the group std (Dr. GRPO: --no-scale-rewards with
+    --loss-agg seq-mean-token-sum-norm)"""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
         "token-mean")
     """how per-token losses are averaged (seq-mean-token-sum-norm divides by max_new_tokens)"""
     mask_truncated_completions: bool = False
     """leave completions that hit max_new_tokens (no EOS) out of the loss"""
+    vllm_is_cap: float | None = None
+    """C of truncated importance sampling: the policy-gradient term of each token is weighted by
+    min(pi_old / pi_vllm, C), as vLLM samples with its own numerics; None: 2 under bf16 precision
+    (vLLM and the trainer differ by ~1e-2 there), off in fp32 (they agree to ~1e-5); 0: off"""
     ref_update_every: int = 0
     """copy the policy into the reference every N steps (iterative GRPO); 0 never"""
 
     # infra
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """numerics of rollouts and forward/backward: bf16 (vLLM in bfloat16, the trainer under bfloat16
+    autocast over its --dtype weights, frozen models in bfloat16) or fp32; auto: bf16 on CUDA, fp32 on CPU"""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """trainer weight dtype (float32 keeps fp32 master weights)"""
-    bf16_autocast: bool = True
-    """on CUDA, run forward/backward under bfloat16 autocast"""
+    """trainer weight dtype: float32 keeps fp32 master weights and AdamW state; bfloat16 halves
+    them but rounds away updates smaller than ~1/256 of a weight (small learning rates are lost)"""
     gradient_checkpointing: bool = False
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (weights + KV cache)"""
@@ -133,7 +146,8 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: bo
     return advantages.view(-1)
 
 
-def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args: Args, num_tokens, num_seqs):
+def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, vllm_is_weights, mask, args: Args,
+                 num_tokens, num_seqs):
     """The CISPO loss of one micro-batch; [B, C] per-token inputs, advantages [B].
 
     num_tokens / num_seqs are the minibatch's totals, so accumulated micro-batch losses add
@@ -141,7 +155,7 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, args: A
     A = advantages.unsqueeze(1)
     ratio = torch.exp(logprobs - old_logprobs)
     is_weight = torch.clamp(ratio, 1 - args.eps_low, 1 + args.eps_high).detach()
-    per_token = -is_weight * A * logprobs
+    per_token = -is_weight * vllm_is_weights * A * logprobs
     stats = {}
     if ref_logprobs is not None:
         log_ref_ratio = ref_logprobs - logprobs
@@ -168,20 +182,31 @@ def main(args: Args) -> None:
     need(0 <= args.eps_low <= 1, f"--eps-low must be in [0, 1], got {args.eps_low}")
     need(args.eps_high >= 0, f"--eps-high must be >= 0, got {args.eps_high}")
     need(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
+    need(args.vllm_is_cap is None or args.vllm_is_cap == 0 or args.vllm_is_cap >= 1,
+         f"--vllm-is-cap must be 0 (off) or >= 1, got {args.vllm_is_cap}")
+    need(not (args.ref_update_every and args.lora_rank), "--ref-update-every needs full fine-tuning (--lora-rank 0): "
+         "under LoRA the reference is the base model")
+    need(args.lora_rank >= 0 and args.lora_alpha > 0, f"--lora-rank must be >= 0 and --lora-alpha > 0, got "
+         f"{args.lora_rank} and {args.lora_alpha}")
     run = Run(args)  # the run folder (new, or the resumed run's), checked before anything heavy
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    autocast_dtype = torch.bfloat16 if device == "cuda" and args.bf16_autocast else None
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and device == "cuda")
+    autocast_dtype = torch.bfloat16 if bf16 else None
+    frozen_dtype = "bfloat16" if bf16 else args.dtype  # forward-only models: half the memory
+    vllm_is_cap = args.vllm_is_cap if args.vllm_is_cap is not None else (2.0 if bf16 else 0.0)
 
     llm = create_engine(args.model, seed=args.seed, max_model_len=max_prompt_len + args.max_new_tokens,
-                        dtype="bfloat16" if device == "cuda" else "float32",
+                        dtype="bfloat16" if bf16 else "float32",
                         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                         cpu_kv_cache_gib=args.vllm_cpu_kv_cache_gib)
     seed_everything(args.seed)  # after the engine: in-process vLLM reseeds the global RNGs
-    policy = load_policy(args.resume and os.path.join(args.resume, "policy") or args.model, tokenizer,
-                         args.dtype, device, args.gradient_checkpointing)
-    # the reference is the initial model, also when resuming (unless refreshed, see ref_update_every)
-    ref_model = freeze(load_policy(args.model, tokenizer, args.dtype, device)) if args.kl_coef > 0 else None
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    policy = load_policy(args.model, tokenizer, args.dtype, device, args.gradient_checkpointing, args.lora_rank,
+                         args.lora_alpha, args.lora_target_modules, args.resume and os.path.join(args.resume, "policy"))
+    # the reference is the initial model, also when resuming (unless refreshed, see ref_update_every;
+    # under LoRA: the policy with its adapters off)
+    ref_model = load_reference(args.model, tokenizer, frozen_dtype, device, policy) if args.kl_coef > 0 else None
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr,
+                                  weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     prompt_sampler = torch.Generator().manual_seed(args.seed)
     if args.resume:
@@ -248,6 +273,9 @@ def main(args: Args) -> None:
                 for i, c in enumerate(completions):
                     vllm_logprobs[i, :len(c.token_ids)] = torch.tensor(
                         [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+                # truncated importance sampling: vLLM sampled from its own numerics, not exactly pi_old
+                is_ratio = torch.exp(old_logprobs - vllm_logprobs)
+                vllm_is_weights = is_ratio.clamp(max=vllm_is_cap) if vllm_is_cap else torch.ones_like(is_ratio)
 
             # ---------------------------------------------------------------- 4. advantage
             advantages = compute_advantages(rewards, G, args.scale_rewards).to(device)
@@ -265,7 +293,8 @@ def main(args: Args) -> None:
                                                                      C, args.temperature, with_entropy=True)
                             loss, stats = compute_loss(
                                 logprobs, old_logprobs[micro], None if ref_logprobs is None else ref_logprobs[micro],
-                                advantages[micro], loss_mask[micro], args, num_tokens, num_seqs)
+                                advantages[micro], vllm_is_weights[micro], loss_mask[micro], args, num_tokens,
+                                num_seqs)
                             loss.backward()  # micro-batch losses add up to the minibatch loss
                             mb_loss += loss.item()
                             stats["policy/entropy"] = masked_mean(entropy, completion_mask[micro])
@@ -292,10 +321,13 @@ def main(args: Args) -> None:
                 "response/length_mean": completion_mask.sum(1).float().mean(),
                 "response/truncated_frac": truncated.float().mean(),
                 "rollout/logprob_mismatch": masked_mean((vllm_logprobs - old_logprobs).abs(), completion_mask),
+                "rollout/is_weight_mean": masked_mean(vllm_is_weights, completion_mask),
+                "rollout/is_capped_frac": masked_mean((is_ratio > vllm_is_cap).float(), completion_mask)
+                if vllm_is_cap else 0.0,
                 "optim/lr": scheduler.get_last_lr()[0],
                 **{f"time/{k}": v for k, v in times.items()},
                 "throughput/tokens_per_s": completion_mask.sum() / times["step"],
-                "memory/peak_gib": peak_memory_gib(),
+                **memory_metrics(llm),
             })
             if ref_logprobs is not None:
                 log_ref_ratio = ref_logprobs - old_logprobs

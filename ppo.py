@@ -44,11 +44,11 @@ from vllm import SamplingParams
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from common.errors import RunError, need
-from common.models import (DTYPES, check_model, create_engine, freeze, load_policy, load_tokenizer,
-                           resolve_model, sync_weights)
+from common.models import (check_model, create_engine, freeze, load_policy, load_pretrained, load_reference,
+                           load_tokenizer, resolve_model, sync_weights)
 from common.ops import aggregate, batched_logprobs, forward_logprobs, make_batch, masked_mean
 from common.tasks import encode_prompts, evaluate, load_task, stop_token_ids
-from common.utils import GracefulInterrupt, Run, check_args, parse_args, peak_memory_gib, seed_everything, timed
+from common.utils import GracefulInterrupt, Run, check_args, memory_metrics, parse_args, seed_everything, timed
 
 
 @dataclass
@@ -99,6 +99,12 @@ class Args:
     warmup_steps: int = 0
     """linear learning-rate warmup, in optimizer steps"""
     weight_decay: float = 0.0
+    lora_rank: int = 0
+    """train low-rank adapters of this rank (peft) instead of every weight of the policy; 0: full fine-tuning"""
+    lora_alpha: float = 32.0
+    """LoRA scale: the adapters add (alpha / rank) * B A to each target weight"""
+    lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """the policy's modules that get adapters (Llama/Qwen/Mistral names)"""
 
     # models
     critic_model: str | None = None
@@ -137,12 +143,18 @@ class Args:
     """how per-token losses are averaged (seq-mean-token-sum-norm divides by max_new_tokens)"""
     mask_truncated_completions: bool = False
     """leave completions that hit max_new_tokens (no EOS) out of the loss"""
+    vllm_is_cap: float | None = None
+    """C of truncated importance sampling: the policy-gradient term of each token is weighted by
+    min(pi_old / pi_vllm, C), as vLLM samples with its own numerics; None: 2 under bf16 precision
+    (vLLM and the trainer differ by ~1e-2 there), off in fp32 (they agree to ~1e-5); 0: off"""
 
     # infra
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """numerics of rollouts and forward/backward: bf16 (vLLM in bfloat16, the trainer under bfloat16
+    autocast over its --dtype weights, frozen models in bfloat16) or fp32; auto: bf16 on CUDA, fp32 on CPU"""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """trainer weight dtype (float32 keeps fp32 master weights)"""
-    bf16_autocast: bool = True
-    """on CUDA, run forward/backward under bfloat16 autocast"""
+    """trainer weight dtype: float32 keeps fp32 master weights and AdamW state; bfloat16 halves
+    them but rounds away updates smaller than ~1/256 of a weight (small learning rates are lost)"""
     gradient_checkpointing: bool = False
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (weights + KV cache)"""
@@ -162,8 +174,7 @@ def load_critic(name_or_path: str, tokenizer, dtype: str, device: str, gradient_
     """V: a transformer with a scalar head at every position (AutoModelForSequenceClassification,
     num_labels=1, used per token). From a causal LM the head is new: it starts at zero, so the
     first values are 0 and the first advantages are Monte-Carlo returns."""
-    critic, info = AutoModelForSequenceClassification.from_pretrained(
-        resolve_model(name_or_path), num_labels=1, dtype=DTYPES[dtype], output_loading_info=True)
+    critic, info = load_pretrained(AutoModelForSequenceClassification, name_or_path, dtype, num_labels=1)
     need(critic.get_input_embeddings().num_embeddings >= len(tokenizer),
          f"critic {name_or_path!r}: its vocabulary is smaller than the policy's tokenizer (it reads the same ids)")
     need(isinstance(getattr(critic, "score", None), torch.nn.Linear),
@@ -187,12 +198,21 @@ def forward_values(critic, input_ids, attention_mask, num_completion_tokens: int
 
 
 @torch.no_grad()
-def reward_model_scores(reward_model, rm_tokenizer, texts: list[str], device: str) -> torch.Tensor:
-    """The reward model's score of each text (prompt + completion), read at its last real token."""
-    batch = rm_tokenizer(texts, return_tensors="pt", padding=True, padding_side="right").to(device)
-    hidden = reward_model.base_model(**batch, use_cache=False).last_hidden_state
-    last = batch["attention_mask"].sum(1) - 1
-    return reward_model.score(hidden[torch.arange(len(texts), device=device), last]).squeeze(-1).float()
+def reward_model_scores(reward_model, rm_tokenizer, texts: list[str], device: str, micro_batch_size: int):
+    """The reward model's score of each text (prompt + completion as generated, end-of-turn
+    token included: what a reward model is trained to read), at its last real token, a
+    micro-batch at a time. A text that starts with BOS (a decoded prompt) gets no second one."""
+    bos = rm_tokenizer.bos_token
+    if bos is not None and rm_tokenizer("")["input_ids"][:1] == [rm_tokenizer.bos_token_id]:
+        texts = [t.removeprefix(bos) for t in texts]
+    scores = []
+    for i in range(0, len(texts), micro_batch_size):
+        batch = rm_tokenizer(texts[i:i + micro_batch_size], return_tensors="pt", padding=True,
+                             padding_side="right").to(device)
+        hidden = reward_model.base_model(**batch, use_cache=False).last_hidden_state
+        last = batch["attention_mask"].sum(1) - 1
+        scores.append(reward_model.score(hidden[torch.arange(len(last), device=device), last]).squeeze(-1).float())
+    return torch.cat(scores)
 
 
 def compute_token_rewards(scores, kl, mask, kl_coef: float):
@@ -238,15 +258,15 @@ def update_kl_coef(kl_coef: float, kl_per_seq: float, num_seqs: int, args: Args)
     return kl_coef * (1 + error * num_seqs / args.kl_horizon)
 
 
-def compute_loss(logprobs, old_logprobs, advantages, values, old_values, returns, mask, args: Args,
-                 num_tokens, num_seqs):
+def compute_loss(logprobs, old_logprobs, advantages, values, old_values, returns, vllm_is_weights, mask,
+                 args: Args, num_tokens, num_seqs):
     """The PPO loss of one micro-batch: clipped surrogate + vf_coef * clipped value loss; [B, C] inputs.
 
     num_tokens / num_seqs are the minibatch's totals, so accumulated micro-batch losses add
     up to the minibatch loss. Returns the loss and per-micro-batch statistics."""
     ratio = torch.exp(logprobs - old_logprobs)
     clipped_ratio = torch.clamp(ratio, 1 - args.eps_low, 1 + args.eps_high)
-    pg_per_token = -torch.min(ratio * advantages, clipped_ratio * advantages)
+    pg_per_token = -torch.min(ratio * advantages, clipped_ratio * advantages) * vllm_is_weights
     pg_loss = aggregate(pg_per_token, mask, args.loss_agg, num_tokens, num_seqs, args.max_new_tokens)
     clipped_values = old_values + torch.clamp(values - old_values, -args.vf_clip, args.vf_clip)
     vf_unclipped, vf_clipped = (values - returns) ** 2, (clipped_values - returns) ** 2
@@ -279,35 +299,42 @@ def main(args: Args) -> None:
     need(args.kl_horizon > 0, f"--kl-horizon must be positive, got {args.kl_horizon}")
     need(0 <= args.gamma <= 1 and 0 <= args.lam <= 1,
          f"--gamma and --lam must be in [0, 1], got {args.gamma} and {args.lam}")
-    need(args.vf_coef >= 0 and args.vf_clip > 0, f"--vf-coef must be >= 0 and --vf-clip > 0, got {args.vf_coef} and {args.vf_clip}")
+    need(args.vf_coef >= 0 and args.vf_clip > 0,
+         f"--vf-coef must be >= 0 and --vf-clip > 0, got {args.vf_coef} and {args.vf_clip}")
     need(args.critic_lr > 0, f"--critic-lr must be positive, got {args.critic_lr}")
     for path in (args.critic_model, args.reward_model):
         if path is not None:
             check_model(path)
+    need(args.vllm_is_cap is None or args.vllm_is_cap == 0 or args.vllm_is_cap >= 1,
+         f"--vllm-is-cap must be 0 (off) or >= 1, got {args.vllm_is_cap}")
+    need(args.lora_rank >= 0 and args.lora_alpha > 0, f"--lora-rank must be >= 0 and --lora-alpha > 0, got "
+         f"{args.lora_rank} and {args.lora_alpha}")
     run = Run(args)  # the run folder (new, or the resumed run's), checked before anything heavy
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    autocast_dtype = torch.bfloat16 if device == "cuda" and args.bf16_autocast else None
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and device == "cuda")
+    autocast_dtype = torch.bfloat16 if bf16 else None
+    frozen_dtype = "bfloat16" if bf16 else args.dtype  # forward-only models: half the memory
+    vllm_is_cap = args.vllm_is_cap if args.vllm_is_cap is not None else (2.0 if bf16 else 0.0)
 
     llm = create_engine(args.model, seed=args.seed, max_model_len=max_prompt_len + args.max_new_tokens,
-                        dtype="bfloat16" if device == "cuda" else "float32",
+                        dtype="bfloat16" if bf16 else "float32",
                         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                         cpu_kv_cache_gib=args.vllm_cpu_kv_cache_gib)
     seed_everything(args.seed)  # after the engine: in-process vLLM reseeds the global RNGs
-    policy = load_policy(args.resume and os.path.join(args.resume, "policy") or args.model, tokenizer,
-                         args.dtype, device, args.gradient_checkpointing)
-    # the reference is the initial model, also when resuming
-    ref_model = freeze(load_policy(args.model, tokenizer, args.dtype, device)) if args.kl_coef > 0 else None
+    policy = load_policy(args.model, tokenizer, args.dtype, device, args.gradient_checkpointing, args.lora_rank,
+                         args.lora_alpha, args.lora_target_modules, args.resume and os.path.join(args.resume, "policy"))
+    # the reference is the initial model, also when resuming (under LoRA: the policy, adapters off)
+    ref_model = load_reference(args.model, tokenizer, frozen_dtype, device, policy) if args.kl_coef > 0 else None
     critic = load_critic(args.resume and os.path.join(args.resume, "critic") or args.critic_model or args.model,
                          tokenizer, args.dtype, device, args.gradient_checkpointing)
     reward_model = rm_tokenizer = None
     if args.reward_model is not None:
-        reward_model = AutoModelForSequenceClassification.from_pretrained(
-            resolve_model(args.reward_model), num_labels=1, dtype=DTYPES[args.dtype]).to(device).eval()
-        reward_model.requires_grad_(False)
+        reward_model = freeze(load_pretrained(AutoModelForSequenceClassification, args.reward_model, frozen_dtype,
+                                              num_labels=1)[0].to(device))
         rm_tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.reward_model))
         if rm_tokenizer.pad_token is None:
             rm_tokenizer.pad_token = rm_tokenizer.eos_token  # right padding, scores read before it
-    optimizer = torch.optim.AdamW([{"params": policy.parameters(), "lr": args.lr},
+    optimizer = torch.optim.AdamW([{"params": [p for p in policy.parameters() if p.requires_grad], "lr": args.lr},
                                    {"params": critic.parameters(), "lr": args.critic_lr}],
                                   weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
@@ -358,7 +385,8 @@ def main(args: Args) -> None:
                 task_rewards = rewards
                 prompt_texts = tokenizer.batch_decode(prompt_ids, skip_special_tokens=False)
                 rewards = reward_model_scores(reward_model, rm_tokenizer, [
-                    prompt_texts[i // G] + c.text for i, c in enumerate(completions)], device).cpu()
+                    prompt_texts[i // G] + tokenizer.decode(c.token_ids, skip_special_tokens=False)
+                    for i, c in enumerate(completions)], device, args.micro_batch_size).cpu()
             scores = rewards - args.missing_eos_penalty * truncated.float()
 
             # ---------------------------------------------------------------- 3. old / ref log-probs
@@ -385,6 +413,9 @@ def main(args: Args) -> None:
                 for i, c in enumerate(completions):
                     vllm_logprobs[i, :len(c.token_ids)] = torch.tensor(
                         [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+                # truncated importance sampling: vLLM sampled from its own numerics, not exactly pi_old
+                is_ratio = torch.exp(old_logprobs - vllm_logprobs)
+                vllm_is_weights = is_ratio.clamp(max=vllm_is_cap) if vllm_is_cap else torch.ones_like(is_ratio)
 
             # ---------------------------------------------------------------- 4. advantage
             kl = torch.zeros_like(old_logprobs) if ref_logprobs is None else old_logprobs - ref_logprobs
@@ -408,7 +439,8 @@ def main(args: Args) -> None:
                                 values = forward_values(critic, input_ids[micro], attention_mask[micro], C)
                             loss, stats = compute_loss(
                                 logprobs, old_logprobs[micro], advantages[micro], values, old_values[micro],
-                                returns[micro], loss_mask[micro], args, num_tokens, num_seqs)
+                                returns[micro], vllm_is_weights[micro], loss_mask[micro], args, num_tokens,
+                                num_seqs)
                             loss.backward()  # micro-batch losses add up to the minibatch loss
                             mb_loss += loss.item()
                             stats["policy/entropy"] = masked_mean(entropy, completion_mask[micro])
@@ -435,10 +467,13 @@ def main(args: Args) -> None:
                 "response/length_mean": completion_mask.sum(1).float().mean(),
                 "response/truncated_frac": truncated.float().mean(),
                 "rollout/logprob_mismatch": masked_mean((vllm_logprobs - old_logprobs).abs(), completion_mask),
+                "rollout/is_weight_mean": masked_mean(vllm_is_weights, completion_mask),
+                "rollout/is_capped_frac": masked_mean((is_ratio > vllm_is_cap).float(), completion_mask)
+                if vllm_is_cap else 0.0,
                 "optim/lr": scheduler.get_last_lr()[0],
                 **{f"time/{k}": v for k, v in times.items()},
                 "throughput/tokens_per_s": completion_mask.sum() / times["step"],
-                "memory/peak_gib": peak_memory_gib(),
+                **memory_metrics(llm),
             })
             if ref_logprobs is not None:
                 log_ref_ratio = ref_logprobs - old_logprobs

@@ -30,7 +30,7 @@ echo "setup.sh: installing $reqs into .venv ($device)"
 if [ "$device" = cpu ]; then
   .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 fi
-.venv/bin/python -c "import torch, transformers, vllm, math_verify, reasoning_gym, gguf, accelerate; \
+.venv/bin/python -c "import torch, transformers, vllm, math_verify, reasoning_gym, gguf, accelerate, peft; \
 print('setup.sh: torch', torch.__version__, \
 '| transformers', transformers.__version__, '| vllm', vllm.__version__)"
 rm -f .venv/.installed-*

@@ -78,10 +78,10 @@ def estimator_loss(name: str, logprobs, advantages, mask, loss_agg: str):
     if name in ("grpo", "dr-grpo"):
         args = grpo.Args(kl_coef=0.0, loss_agg=loss_agg)
         # one advantage per completion; old log-probs = current ones: ratio 1, clipping inactive
-        return grpo.compute_loss(logprobs, logprobs.detach(), None, advantages[:, 0], mask, args,
-                                 num_tokens, num_seqs)[0]
-    return reinforce.compute_loss(logprobs, advantages, mask, reinforce.Args(loss_agg=loss_agg),
-                                  num_tokens, num_seqs)[0]
+        return grpo.compute_loss(logprobs, logprobs.detach(), None, advantages[:, 0], torch.ones_like(logprobs), mask,
+                                 args, num_tokens, num_seqs)[0]
+    return reinforce.compute_loss(logprobs, advantages, torch.ones_like(logprobs), mask,
+                                  reinforce.Args(loss_agg=loss_agg), num_tokens, num_seqs)[0]
 
 
 def variance_stats(grads: torch.Tensor, G: torch.Tensor | None = None) -> dict:

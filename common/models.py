@@ -88,15 +88,81 @@ def load_tokenizer(name_or_path: str):
     return tokenizer
 
 
+def load_pretrained(auto_class, name_or_path: str, dtype: str = "float32", **config_overrides):
+    """auto_class.from_pretrained (AutoModelForCausalLM, ...ForSequenceClassification) with
+    every dropout off; returns (model, loading_info). RL scores the same samples in several
+    passes (old log-probs, the update, the reference): with dropout on (GPT-2, OPT and Phi
+    have it) they would disagree, and an on-policy ratio would not be 1."""
+    path = resolve_model(name_or_path)
+    config = AutoConfig.from_pretrained(path, **config_overrides)
+    for cfg in {id(c): c for c in (config, config.get_text_config())}.values():
+        for key, value in cfg.to_dict().items():
+            if isinstance(value, float) and ("dropout" in key or "pdrop" in key or key == "layerdrop"):
+                setattr(cfg, key, 0.0)
+    model, info = auto_class.from_pretrained(path, config=config, dtype=DTYPES[dtype], output_loading_info=True)
+    for module in model.modules():  # modules that fix their rate without reading the config
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model, info
+
+
 def load_policy(name_or_path: str, tokenizer, dtype: str = "float32", device: str | None = None,
-                gradient_checkpointing: bool = False) -> PreTrainedModel:
-    """The trainable policy, in train mode (dropout off: these models have none enabled)."""
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(name_or_path), dtype=DTYPES[dtype])
+                gradient_checkpointing: bool = False, lora_rank: int = 0, lora_alpha: float = 32.0,
+                lora_target_modules: tuple[str, ...] = (), checkpoint: str | None = None) -> PreTrainedModel:
+    """The trainable policy, dropout off (see load_pretrained), from a checkpoint's policy
+    folder when resuming. With lora_rank > 0 (peft) only low-rank adapters on the
+    target modules train: checkpoints then hold the adapters, and the base weights are
+    always name_or_path's."""
+    full = checkpoint if checkpoint is not None and not lora_rank else name_or_path
+    model, _ = load_pretrained(AutoModelForCausalLM, full, dtype)
     model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
+    if lora_rank:
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        if checkpoint is not None:
+            model = PeftModel.from_pretrained(model, checkpoint, is_trainable=True)
+        else:
+            model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0,
+                                                     target_modules=list(lora_target_modules)))
     return model
+
+
+def is_lora(model) -> bool:
+    return hasattr(model, "peft_config")
+
+
+class AdaptersOff(torch.nn.Module):
+    """The LoRA policy with its adapters switched off: the base model, i.e. the initial
+    policy, without a second copy of its weights (the reference of a LoRA run)."""
+
+    def __init__(self, policy):
+        super().__init__()
+        object.__setattr__(self, "policy", policy)  # not a submodule: it owns no parameters
+
+    def forward(self, **inputs):
+        with self.policy.disable_adapter():
+            return self.policy(**inputs)
+
+
+def load_reference(name_or_path: str, tokenizer, dtype: str, device: str, policy) -> torch.nn.Module:
+    """pi_ref, frozen: the policy with its adapters off under LoRA, else the initial model
+    loaded again (in dtype: forward only, so bf16 on GPU)."""
+    if is_lora(policy):
+        return AdaptersOff(policy)
+    return freeze(load_policy(name_or_path, tokenizer, dtype, device))
+
+
+def save_model(model, tokenizer, folder: str) -> None:
+    """A model folder transformers and vLLM load. Under LoRA: the merged weights (W + scale *
+    B A) there and the adapters in folder/adapter; the policy is merged in place (call last)."""
+    if is_lora(model):
+        model.save_pretrained(os.path.join(folder, "adapter"))
+        model = model.merge_and_unload()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def freeze(model: PreTrainedModel) -> PreTrainedModel:
@@ -151,9 +217,23 @@ def create_engine(name_or_path: str, seed: int, max_model_len: int, dtype: str =
 
     kwargs = {} if on_cpu else {"gpu_memory_utilization": gpu_memory_utilization}
     enforce_eager = on_cpu if enforce_eager is None else enforce_eager
-    return LLM(model=resolve_model(name_or_path), seed=seed, dtype=dtype,
-               max_model_len=max_model_len, enable_prefix_caching=True,
-               logprobs_mode="processed_logprobs", enforce_eager=enforce_eager, **kwargs)
+    before = memory_in_use()
+    llm = LLM(model=resolve_model(name_or_path), seed=seed, dtype=dtype,
+              max_model_len=max_model_len, enable_prefix_caching=True,
+              logprobs_mode="processed_logprobs", enforce_eager=enforce_eager, **kwargs)
+    llm.memory = {k: after - before[k] for k, after in memory_in_use().items()}  # the engine's share
+    return llm
+
+
+def memory_in_use() -> dict:
+    """Bytes in use now: on CUDA, the device's (all allocators) and torch's allocated tensors;
+    on CPU, the process's resident memory."""
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        return {"device": total - free, "allocated": torch.cuda.memory_allocated()}
+    import psutil  # a dependency of vLLM
+
+    return {"device": psutil.Process().memory_info().rss, "allocated": 0}
 
 
 def engine_model(llm) -> torch.nn.Module:
@@ -161,9 +241,30 @@ def engine_model(llm) -> torch.nn.Module:
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
 
+def merged_weights(model):
+    """(name, tensor) of the weights vLLM holds, under the base model's names. Under LoRA
+    each adapted weight is merged on the fly, W + scale * B A, and the trainer's own base
+    weights stay as they are."""
+    if not is_lora(model):
+        yield from ((name, p.detach()) for name, p in model.named_parameters())
+        return
+    base = model.get_base_model()
+    modules = dict(base.named_modules())
+    for name, p in base.named_parameters():
+        if "lora_" in name:
+            continue
+        if ".base_layer." in name:  # peft wraps an adapted Linear: x.base_layer.weight is its W
+            owner, _, leaf = name.rpartition(".base_layer.")
+            name = f"{owner}.{leaf}"
+            if leaf == "weight":
+                layer = modules[owner]
+                p = p + sum(layer.get_delta_weight(a) for a in layer.active_adapters)
+        yield name, p.detach()
+
+
 @torch.no_grad()
 def sync_weights(llm, model: PreTrainedModel) -> None:
-    """Copy the trainer's current weights into vLLM in place, then drop cached prefixes
-    (their KV entries were computed with the old weights)."""
-    engine_model(llm).load_weights((name, p.detach()) for name, p in model.named_parameters())
+    """Copy the trainer's current weights into vLLM in place (merged, under LoRA), then drop
+    cached prefixes (their KV entries were computed with the old weights)."""
+    engine_model(llm).load_weights(merged_weights(model))
     llm.reset_prefix_cache()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+# the entropy is computed over slices of at most this many logits (2^26 fp32: 256 MiB)
+ENTROPY_SLICE = 2**26
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
@@ -20,22 +22,30 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     The logit at position t predicts the token at t+1, so the C completion tokens are
     scored by the logits at columns P-1 .. P+C-2. Only those C logit rows are computed
     (logits_to_keep), and they are divided by the sampling temperature first: the policy
-    that generated the data is softmax(logits / T). Position ids count real tokens only,
-    so left padding does not shift positions (vLLM starts every prompt at position 0).
-    Returns [B, C] log-probs (and [B, C] entropies, detached, if asked)."""
+    that generated the data is softmax(logits / T). The log-softmax runs in fp32 even under
+    bf16 autocast (the main source of trainer/vLLM mismatch otherwise). Position ids count
+    real tokens only, so left padding does not shift positions (vLLM starts every prompt at
+    position 0). Returns [B, C] log-probs (and [B, C] entropies, detached, if asked).
+
+    Memory: [B, C, V] logits are the largest tensors of a step (16 x 512 x 152k in fp32 is
+    5 GB), so none is copied needlessly: the temperature divides in place, and the entropy
+    is computed a slice of positions at a time."""
     C = num_completion_tokens
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    logits_to_keep=C + 1, use_cache=False).logits[:, :-1].float()
-    logits = logits / temperature
+    if temperature != 1.0:
+        logits = logits.div_(temperature)  # in place: the model's output is not needed again
     targets = input_ids[:, -C:]
     log_z = torch.logsumexp(logits, dim=-1)
     logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z
     if not with_entropy:
         return logprobs
     with torch.no_grad():
-        probs = torch.softmax(logits, dim=-1)
-        entropy = log_z - (probs * logits).sum(-1)
+        # H = log Z - sum_v p_v * logit_v, a slice of positions at a time: no second [B, C, V] tensor
+        step = max(1, ENTROPY_SLICE // (logits.shape[0] * logits.shape[-1]))
+        entropy = torch.cat([z - (torch.softmax(chunk, dim=-1) * chunk).sum(-1)
+                             for chunk, z in zip(logits.detach().split(step, dim=1), log_z.split(step, dim=1))], dim=1)
     return logprobs, entropy
 
 

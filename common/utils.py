@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from common.errors import ConfigError, RunError, need
+from common.models import save_model
 
 # ---------------------------------------------------------------------------------------
 # arguments
@@ -77,6 +78,10 @@ def check_args(args, max_context: int, max_prompt_len: int, min_completions: int
     need(args.vllm_cpu_kv_cache_gib >= 1, f"--vllm-cpu-kv-cache-gib must be >= 1, got {args.vllm_cpu_kv_cache_gib}")
     need(0 < args.vllm_gpu_memory_utilization <= 1,
          f"--vllm-gpu-memory-utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
+    if args.dtype == "bfloat16" and args.lr < 1e-4:
+        print(f"warning: --dtype bfloat16 keeps ~3 significant digits per weight, so AdamW steps of about "
+              f"--lr {args.lr} are mostly rounded away; --dtype float32 (the default) keeps fp32 master "
+              f"weights", file=sys.stderr)
     if hasattr(args, "num_minibatches"):  # scripts that reuse a rollout batch for several updates
         batch = args.prompts_per_step * args.completions_per_prompt
         need(args.num_minibatches > 0 and batch % args.num_minibatches == 0,
@@ -121,7 +126,9 @@ def latest_checkpoint(run_dir: str) -> str | None:
 
 def read_run_info(checkpoint: str) -> dict:
     with open(os.path.join(checkpoint, "run.json")) as f:
-        return json.load(f)
+        info = json.load(f)
+    info["args"] = {k: tuple(v) if isinstance(v, list) else v for k, v in info["args"].items()}  # JSON has no tuples
+    return info
 
 
 def saved_args(Args, checkpoint: str):
@@ -136,7 +143,7 @@ def saved_args(Args, checkpoint: str):
     unknown = sorted(set(info["args"]) - fields)
     need(not unknown, f"--resume {checkpoint!r}: the checkpoint has arguments this {script} does not know "
                       f"({', '.join(unknown)}): it was made by another version of the script")
-    saved = Args(**{k: v for k, v in info["args"].items()})
+    saved = Args(**info["args"])
     saved.resume = checkpoint
     saved.output_dir = run_folder_of(checkpoint)
     return saved
@@ -308,11 +315,10 @@ class Run:
         return state
 
     def finish(self, model, tokenizer, eval_metrics: dict) -> None:
-        """final/ (a save_pretrained folder, written atomically) and summary.json."""
+        """final/ (a model folder, merged under LoRA, written atomically) and summary.json."""
         final_dir = os.path.join(self.dir, "final")
         with atomic_folder(final_dir) as tmp:
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
+            save_model(model, tokenizer, tmp)
         summary = {"eval/accuracy_start": self.accuracy_start, "eval/accuracy_end": eval_metrics["eval/accuracy"],
                    "steps": self.args.steps, "wall_time_s": self.wall_time()}
         write_json(os.path.join(self.dir, "summary.json"), summary)
@@ -478,8 +484,14 @@ def timed(times: dict, name: str):
     times[name] = time.perf_counter() - t0
 
 
-def peak_memory_gib() -> float:
-    """Peak GPU memory allocated by torch on CUDA; peak resident memory of the process on CPU."""
+def memory_metrics(llm) -> dict:
+    """memory/engine_gib: what the vLLM engine took when it started (weights and KV cache; on
+    CPU the process memory it added). memory/peak_gib: the trainer's peak since the previous
+    call, i.e. this step, on CUDA (torch's peak allocation, less the engine's tensors); on CPU
+    the process's peak resident memory so far, engine included (it cannot be reset there)."""
     if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        peak = torch.cuda.max_memory_allocated() - llm.memory["allocated"]
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {"memory/peak_gib": peak / 2**30, "memory/engine_gib": llm.memory["device"] / 2**30}

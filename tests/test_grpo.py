@@ -29,7 +29,7 @@ def one_token_loss(ratio: float, advantage: float, eps_low=0.2, eps_high=0.28):
     args = Args(eps_low=eps_low, eps_high=eps_high, kl_coef=0.0, loss_agg="token-mean")
     logprobs = torch.tensor([[math.log(ratio)]], requires_grad=True)
     old = torch.zeros(1, 1)
-    loss, stats = compute_loss(logprobs, old, None, torch.tensor([advantage]), torch.ones(1, 1), args, 1, 1)
+    loss, stats = compute_loss(logprobs, old, None, torch.tensor([advantage]), 1.0, torch.ones(1, 1), args, 1, 1)
     loss.backward()
     return loss.item(), logprobs.grad.item(), stats["policy/clip_frac"].item()
 
@@ -60,7 +60,7 @@ def test_k3_kl_value_and_gradient():
     logprobs = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
     ref = torch.tensor([[-1.5, -1.0, -0.5]])
     zero_adv = torch.zeros(1)
-    loss, stats = compute_loss(logprobs, logprobs.detach(), ref, zero_adv, torch.ones(1, 3), args, 3, 1)
+    loss, stats = compute_loss(logprobs, logprobs.detach(), ref, zero_adv, 1.0, torch.ones(1, 3), args, 3, 1)
     d = ref - logprobs.detach()
     kl = torch.exp(d) - d - 1
     assert loss.item() == pytest.approx(0.5 * kl.mean().item(), rel=1e-6)
@@ -73,7 +73,7 @@ def test_k3_kl_value_and_gradient():
 def test_padding_tokens_do_not_contribute():
     args = Args(kl_coef=0.0, loss_agg="token-mean")
     logprobs = torch.tensor([[-1.0, -9.0]], requires_grad=True)
-    loss, _ = compute_loss(logprobs, logprobs.detach(), None, torch.tensor([2.0]), torch.tensor([[1, 0]]), args, 1, 1)
+    loss, _ = compute_loss(logprobs, logprobs.detach(), None, torch.tensor([2.0]), 1.0, torch.tensor([[1, 0]]), args, 1, 1)
     loss.backward()
     assert loss.item() == pytest.approx(-2.0)
     assert logprobs.grad[0, 1] == 0

@@ -32,6 +32,31 @@ def test_logprobs_match_full_log_softmax_with_padding_on_both_sides(tiny_policy,
     assert not torch.allclose(forward_logprobs(tiny_policy, input_ids, attention_mask, 6, 1.0), logprobs)
 
 
+@pytest.mark.parametrize("slice_positions", [None, 2])
+def test_entropy_in_slices_and_gradient_through_the_in_place_temperature(tiny_policy, tokenizer, monkeypatch,
+                                                                        slice_positions):
+    """The entropy, computed at once or two positions at a time, equals -sum p log p of
+    softmax(logits / T); the log-probs and their gradient are those of log_softmax(logits / T)
+    despite the in-place division."""
+    import common.ops
+
+    if slice_positions is not None:
+        monkeypatch.setattr(common.ops, "ENTROPY_SLICE", slice_positions * tiny_policy.config.vocab_size)
+    ids = tokenizer("sort 52813:12358")["input_ids"]
+    input_ids, attention_mask, _ = make_batch([ids[:11]], [ids[11:]], tokenizer.pad_token_id, "cpu")
+    T, C = 0.7, len(ids) - 11
+    logits = tiny_policy(torch.tensor([ids])).logits[0, 10:-1].float() / T
+    expected_logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[11:]).unsqueeze(-1)).squeeze(-1)
+    expected_entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    expected_grad = torch.autograd.grad(expected_logprobs.sum(), tiny_policy.lm_head.weight)[0]
+
+    logprobs, entropy = forward_logprobs(tiny_policy, input_ids, attention_mask, C, T, with_entropy=True)
+    torch.testing.assert_close(entropy[0], expected_entropy.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logprobs[0], expected_logprobs.detach(), atol=1e-5, rtol=1e-5)
+    grad = torch.autograd.grad(logprobs.sum(), tiny_policy.lm_head.weight)[0]
+    torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-4)
+
+
 def test_position_shift_on_hand_made_sequence():
     """A fake model whose logits at position t put all mass on token (input_t + 1) % V:
     with the right shift every completion token of a counting sequence has log-prob ~0."""

@@ -70,7 +70,7 @@ def test_reinforce_loss_is_advantage_weighted_log_likelihood():
     logprobs = torch.tensor([[-1.0, -2.0], [-0.5, -9.0]], requires_grad=True)
     advantages = torch.tensor([[2.0, 2.0], [-1.0, 0.0]])
     mask = torch.tensor([[1, 1], [1, 0]])
-    loss, _ = reinforce.compute_loss(logprobs, advantages, mask, args, 3, 2)
+    loss, _ = reinforce.compute_loss(logprobs, advantages, 1.0, mask, args, 3, 2)
     assert loss.item() == pytest.approx(-(2 * -3.0 + -1 * -0.5) / 2)
     loss.backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-1.0, -1.0], [0.5, 0.0]]))
@@ -79,7 +79,7 @@ def test_reinforce_loss_is_advantage_weighted_log_likelihood():
 # ------------------------------------------------------------------------------- GSPO
 def gspo_loss(logprobs, old, adv, mask, **kw):
     args = gspo.Args(kl_coef=0.0, **kw)
-    return gspo.compute_loss(logprobs, old, None, adv, mask, args, mask.sum(), logprobs.shape[0])
+    return gspo.compute_loss(logprobs, old, None, adv, torch.ones_like(logprobs), mask, args, mask.sum(), logprobs.shape[0])
 
 
 def test_gspo_sequence_ratio_is_the_geometric_mean_over_each_length():
@@ -122,7 +122,7 @@ def test_cispo_gradient_flows_through_every_token_with_capped_detached_weight():
     logprobs = torch.log(ratios).requires_grad_()
     old = torch.zeros(1, 4)
     A = 2.0
-    loss, stats = cispo.compute_loss(logprobs, old, None, torch.tensor([A]), torch.ones(1, 4), args, 4, 1)
+    loss, stats = cispo.compute_loss(logprobs, old, None, torch.tensor([A]), 1.0, torch.ones(1, 4), args, 4, 1)
     weights = torch.tensor([0.1, 1.0, 1.2, 1.28])  # capped at 1 + eps_high, no lower bound
     assert loss.item() == pytest.approx((-(weights * A * torch.log(ratios)).sum() / 4).item(), rel=1e-6)
     loss.backward()
@@ -152,7 +152,7 @@ def test_baseline_keeps_the_expected_gradient_and_lowers_its_variance():
             logprobs = torch.log_softmax(theta, 0)[arms].unsqueeze(1)  # one "token" per episode
             mask = torch.ones(batch, 1)
             returns = reinforce.compute_returns(arm_rewards[arms], torch.zeros(batch, 1), mask, 0.0)
-            loss, _ = reinforce.compute_loss(logprobs, advantage_fn(returns, mask), mask,
+            loss, _ = reinforce.compute_loss(logprobs, advantage_fn(returns, mask), 1.0, mask,
                                              reinforce.Args(loss_agg="seq-mean-token-sum"), batch, batch)
             out.append(-torch.autograd.grad(loss, theta)[0])  # gradient of the objective
         return torch.stack(out)

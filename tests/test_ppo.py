@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification, Qwen2Config, Qwen2ForSequenceClassification
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
 
 import ppo
 from tests.conftest import TINY_MODEL
@@ -59,7 +59,7 @@ def test_clipped_value_loss(value, loss, grad):
     args = ppo.Args(vf_coef=1.0, vf_clip=0.2, loss_agg="token-mean")
     values = torch.tensor([[value]], requires_grad=True)
     zeros, ones = torch.zeros(1, 1), torch.ones(1, 1)
-    total, stats = ppo.compute_loss(zeros, zeros, zeros, values, zeros, ones, ones, args, 1, 1)
+    total, stats = ppo.compute_loss(zeros, zeros, zeros, values, zeros, ones, 1.0, ones, args, 1, 1)
     total.backward()
     assert total.item() == pytest.approx(loss)
     assert values.grad.item() == pytest.approx(grad)
@@ -72,7 +72,7 @@ def test_policy_loss_is_the_clipped_surrogate():
     logprobs = torch.log(torch.tensor([[1.5, 0.5, 1.1]])).requires_grad_()
     advantages = torch.tensor([[1.0, -1.0, 2.0]])
     ones = torch.ones(1, 3)
-    loss, stats = ppo.compute_loss(logprobs, old, advantages, old, old, old, ones, args, 3, 1)
+    loss, stats = ppo.compute_loss(logprobs, old, advantages, old, old, old, 1.0, ones, args, 3, 1)
     # ratios 1.5 (A>0: clipped to 1.2), 0.5 (A<0: clipped to 0.8), 1.1 (unclipped)
     assert loss.item() == pytest.approx(-(1.2 - 0.8 + 2.2) / 3)
     loss.backward()
@@ -114,7 +114,7 @@ def make_reward_model(path, tokenizer):
 def test_reward_model_score_reaches_the_last_completion_token(tmp_path, tokenizer):
     rm = make_reward_model(tmp_path / "rm", tokenizer).eval()
     texts = ["sort 321:123", "sort 54:45", "sort 98765:56789<|im_end|>"]
-    scores = ppo.reward_model_scores(rm, tokenizer, texts, "cpu")
+    scores = ppo.reward_model_scores(rm, tokenizer, texts, "cpu", micro_batch_size=2)  # 2 micro-batches
     # each text alone through the model's own pooled head (no padding anywhere)
     with torch.no_grad():
         alone = torch.stack([rm(**tokenizer(t, return_tensors="pt")).logits[0, 0] for t in texts])
@@ -126,6 +126,22 @@ def test_reward_model_score_reaches_the_last_completion_token(tmp_path, tokenize
     for i in range(3):
         assert token_rewards[i, last[i]] == scores[i]
         assert token_rewards[i].abs().sum() == scores[i].abs()  # nowhere else
+
+
+def test_reward_model_reads_one_bos_only(tmp_path):
+    """A reward-model tokenizer that adds BOS, and a text that starts with one (a decoded prompt):
+    the text is scored with a single BOS, as the reward model was trained."""
+    from tests.test_chat import model_copy
+
+    rm_tokenizer = AutoTokenizer.from_pretrained(model_copy(tmp_path / "bos", None, bos_post_processor=True))
+    assert rm_tokenizer("x")["input_ids"][0] == rm_tokenizer.bos_token_id
+    rm = make_reward_model(tmp_path / "rm", rm_tokenizer).eval()
+    score = ppo.reward_model_scores(rm, rm_tokenizer, [rm_tokenizer.bos_token + "sort 321:123"], "cpu", 4)
+    with torch.no_grad():
+        one_bos = rm(**rm_tokenizer("sort 321:123", return_tensors="pt")).logits[0, 0]
+        two_bos = rm(**rm_tokenizer(rm_tokenizer.bos_token + "sort 321:123", return_tensors="pt")).logits[0, 0]
+    torch.testing.assert_close(score[0], one_bos)
+    assert not torch.isclose(one_bos, two_bos)
 
 
 def test_critic_starts_at_zero_and_reads_the_state_before_each_token(tokenizer):

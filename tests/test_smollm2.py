@@ -15,7 +15,7 @@ from common import models, smollm2
 from common.ops import forward_logprobs, make_batch
 from common.tasks import encode_prompts, stop_token_ids
 from common.errors import ConfigError
-from tests.conftest import TINY_MODEL, keep_engine
+from tests.conftest import GPU_SHARE, TINY_MODEL, keep_engine, logprob_tolerance
 
 NAME = "smollm2-135m-instruct"
 
@@ -38,7 +38,8 @@ def converted(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smollm2_engine(converted):
-    return keep_engine(models.create_engine(NAME, seed=0, max_model_len=256, enforce_eager=True))  # compiled: +50 s
+    return keep_engine(models.create_engine(NAME, seed=0, max_model_len=256, enforce_eager=True,
+                                            gpu_memory_utilization=GPU_SHARE))  # compiled: +50 s
 
 
 def vllm_prompt_logprobs(llm, ids):
@@ -130,13 +131,13 @@ def test_grpo_runs_end_to_end_on_smollm2_with_a_reasoning_gym_task(converted, sm
     from tests.test_grpo_e2e import read_metrics
 
     out = tmp_path / "run"
-    run_main("grpo.py", "--model", NAME, "--task", "basic_arithmetic", "--steps", "2",
-             "--prompts-per-step", "2", "--completions-per-prompt", "2", "--max-new-tokens", "32",
-             "--num-minibatches", "1", "--micro-batch-size", "4", "--eval-every", "0",
-             "--output-dir", out, engine=smollm2_engine)
+    args = run_main("grpo.py", "--model", NAME, "--task", "basic_arithmetic", "--steps", "2",
+                    "--prompts-per-step", "2", "--completions-per-prompt", "2", "--max-new-tokens", "32",
+                    "--num-minibatches", "1", "--micro-batch-size", "4", "--eval-every", "0",
+                    "--output-dir", out, engine=smollm2_engine)
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [0, 1, 2]
     for m in metrics[1:]:
-        assert m["rollout/logprob_mismatch"] < 1e-3  # the synced engine samples from the trained policy
+        assert m["rollout/logprob_mismatch"] < logprob_tolerance(args)  # the synced engine samples the policy
         assert m["response/length_mean"] > 0
     assert (out / "final" / "config.json").exists()
