@@ -28,7 +28,8 @@ from tqdm import tqdm
 from vllm import SamplingParams
 
 from common.errors import RunError, need
-from common.models import check_model, create_engine, load_policy, load_reference, load_tokenizer, sync_weights
+from common.models import (awake, check_model, create_engine, load_policy, load_reference, load_tokenizer,
+                           sync_weights)
 from common.ops import aggregate, batched_logprobs, forward_logprobs, make_batch, masked_mean
 from common.tasks import encode_prompts, evaluate, load_task, stop_token_ids
 from common.utils import GracefulInterrupt, Run, check_args, memory_metrics, parse_args, seed_everything, timed
@@ -109,6 +110,9 @@ class Args:
     gradient_checkpointing: bool = False
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (weights + KV cache)"""
+    vllm_sleep: bool = True
+    """on CUDA, vLLM sleeps between rollouts (sleep mode level 1: KV cache freed, weights in CPU
+    memory), leaving the GPU's memory to the trainer; --no-vllm-sleep keeps it resident"""
     vllm_cpu_kv_cache_gib: int = 1
     """KV cache size on CPU"""
     eval_every: int = 10
@@ -182,7 +186,7 @@ def main(args: Args) -> None:
     llm = create_engine(args.model, seed=args.seed, max_model_len=max_prompt_len + args.max_new_tokens,
                         dtype="bfloat16" if bf16 else "float32",
                         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                        cpu_kv_cache_gib=args.vllm_cpu_kv_cache_gib)
+                        cpu_kv_cache_gib=args.vllm_cpu_kv_cache_gib, sleep_mode=args.vllm_sleep)
     seed_everything(args.seed)  # after the engine: in-process vLLM reseeds the global RNGs
     policy = load_policy(args.model, tokenizer, args.dtype, device, args.gradient_checkpointing, args.lora_rank,
                          args.lora_alpha, args.lora_target_modules, args.resume and os.path.join(args.resume, "policy"))
@@ -231,7 +235,9 @@ def main(args: Args) -> None:
                 examples = [task.train[i] for i in idx]
                 prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in examples], args.chat_template,
                                             args.system_prompt)
-                outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], sampling_params, use_tqdm=False)
+                with awake(llm):  # with sleep mode (CUDA), vLLM's memory is freed again after the rollout
+                    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], sampling_params,
+                                           use_tqdm=False)
                 completions = [c for out in outputs for c in out.outputs]  # G per prompt, consecutive
 
             # ---------------------------------------------------------------- 2. reward

@@ -6,6 +6,7 @@ vLLM is imported), so moving the trained weights into it is a plain in-memory co
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -194,7 +195,7 @@ def _keep_plain_cpu_weights() -> None:
 
 def create_engine(name_or_path: str, seed: int, max_model_len: int, dtype: str = "float32",
                   gpu_memory_utilization: float = 0.3, cpu_kv_cache_gib: int = 1,
-                  enforce_eager: bool | None = None):
+                  enforce_eager: bool | None = None, sleep_mode: bool = True):
     """An in-process vLLM engine for rollouts, seeded once (never per request).
 
     On CPU the KV cache is sized by cpu_kv_cache_gib (vLLM would take most of the RAM),
@@ -202,7 +203,8 @@ def create_engine(name_or_path: str, seed: int, max_model_len: int, dtype: str =
     enforce_eager skips vLLM's torch.compile warm-up; the default is eager on CPU, where the
     compiled graphs are never reused across runs (the plain-weight patch makes vLLM recompile
     every start): that saves ~8 s of start-up for the tiny model and ~40-55 s for
-    SmolLM2-135M on 2 cores, for ~10-20% slower generation. On GPU vLLM compiles."""
+    SmolLM2-135M on 2 cores, for ~10-20% slower generation. On GPU vLLM compiles.
+    sleep_mode (CUDA only; vLLM has none on CPU): see awake()."""
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         raise RuntimeError("set VLLM_ENABLE_V1_MULTIPROCESSING=0 before importing vllm: "
                            "weight sync needs the engine in this process")
@@ -219,10 +221,33 @@ def create_engine(name_or_path: str, seed: int, max_model_len: int, dtype: str =
     enforce_eager = on_cpu if enforce_eager is None else enforce_eager
     before = memory_in_use()
     llm = LLM(model=resolve_model(name_or_path), seed=seed, dtype=dtype,
-              max_model_len=max_model_len, enable_prefix_caching=True,
+              max_model_len=max_model_len, enable_prefix_caching=True, enable_sleep_mode=sleep_mode and not on_cpu,
               logprobs_mode="processed_logprobs", enforce_eager=enforce_eager, **kwargs)
     llm.memory = {k: after - before[k] for k, after in memory_in_use().items()}  # the engine's share
+    llm.sleeps, llm.asleep = sleep_mode and not on_cpu, set()
     return llm
+
+
+@contextlib.contextmanager
+def awake(llm):
+    """with awake(llm): llm.generate(...). With sleep mode the engine wakes for the block and
+    sleeps again after it (level 1: its KV cache is freed and its weights wait in CPU memory),
+    so the trainer has the GPU to itself between rollouts. Without, it does nothing."""
+    wake(llm, "weights", "kv_cache")
+    try:
+        yield llm
+    finally:
+        if llm.sleeps:
+            llm.sleep(level=1)
+            llm.asleep = {"weights", "kv_cache"}
+
+
+def wake(llm, *tags: str) -> None:
+    """Wake the parts of a sleeping engine named by tags ("weights", "kv_cache")."""
+    tags = sorted(set(tags) & llm.asleep)
+    if tags:
+        llm.wake_up(tags=tags)
+        llm.asleep -= set(tags)
 
 
 def memory_in_use() -> dict:
@@ -265,6 +290,8 @@ def merged_weights(model):
 @torch.no_grad()
 def sync_weights(llm, model: PreTrainedModel) -> None:
     """Copy the trainer's current weights into vLLM in place (merged, under LoRA), then drop
-    cached prefixes (their KV entries were computed with the old weights)."""
+    cached prefixes (their KV entries were computed with the old weights). A sleeping
+    engine's weights are woken first: loading into released memory would be lost silently."""
+    wake(llm, "weights")
     engine_model(llm).load_weights(merged_weights(model))
     llm.reset_prefix_cache()

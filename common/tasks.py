@@ -461,9 +461,12 @@ def evaluate(llm, tokenizer, task, max_new_tokens: int, chat_template: bool = Tr
     chat_template / system_prompt as to encode_prompts (stop tokens: stop_token_ids)."""
     from vllm import SamplingParams  # imported here: the tasks themselves need no vLLM
 
+    from common.models import awake
+
     prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in task.eval], chat_template, system_prompt)
     greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy, use_tqdm=False)
+    with awake(llm):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy, use_tqdm=False)
     rewards = [task.reward(o.outputs[0].text, e) for o, e in zip(outputs, task.eval)]
     return {"eval/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
             "eval/reward_mean": sum(rewards) / len(rewards)}

@@ -33,7 +33,8 @@ from common.models import save_model
 # (model, task, seed, batch shape, optimizer, algorithm) and is restored from the checkpoint;
 # giving it again with another value is refused.
 RESUMABLE_CHANGES = ("steps", "eval_every", "save_every", "micro_batch_size", "gradient_checkpointing",
-                     "vllm_gpu_memory_utilization", "vllm_cpu_kv_cache_gib", "tensorboard", "track", "wandb_project")
+                     "vllm_gpu_memory_utilization", "vllm_cpu_kv_cache_gib", "vllm_sleep", "tensorboard", "track",
+                     "wandb_project")
 
 
 def parse_args(Args, argv: list[str] | None = None):

@@ -57,3 +57,44 @@ def test_engine_keeps_plain_cpu_weights(llm):
     """The CPU patch keeps ordinary weights in the engine (vLLM would pack and empty them)."""
     qkv = engine_model(llm).model.layers[0].self_attn.qkv_proj
     assert qkv.weight.numel() > 0
+
+
+def test_sleep_mode_cycle_wakes_the_engine_before_sampling_and_its_weights_before_a_sync(llm, run_main, tmp_path,
+                                                                                       monkeypatch):
+    """vLLM's sleep mode exists on CUDA only: here it is simulated on the session engine.
+    sleep() releases the engine's memory, and generating, or loading weights, into released
+    memory fails the test (on a GPU the loaded weights would be lost silently). Two steps of
+    grpo.py with an evaluation each step: every rollout and evaluation finds the engine awake,
+    every sync finds its weights awake, and the synced weights are what vLLM then samples."""
+    from tests.conftest import logprob_tolerance
+    from tests.test_grpo_e2e import SMALL, read_metrics
+
+    released, calls = set(), []
+    real_generate, real_load = llm.generate, engine_model(llm).load_weights
+
+    def sleep(level=1):
+        released.update({"weights", "kv_cache"})
+        calls.append(f"sleep {level}")
+
+    def wake_up(tags=None):
+        released.difference_update(tags or {"weights", "kv_cache"})
+        calls.append(f"wake {sorted(tags)}")
+
+    def generate(*args, **kwargs):
+        assert not released, f"generate() on released memory: {released}"
+        return real_generate(*args, **kwargs)
+
+    def load_weights(weights):
+        assert "weights" not in released, "weights loaded into a sleeping engine"
+        return real_load(weights)
+
+    for name, value in [("sleep", sleep), ("wake_up", wake_up), ("generate", generate), ("sleeps", True),
+                        ("asleep", set())]:
+        monkeypatch.setattr(llm, name, value)
+    monkeypatch.setattr(engine_model(llm), "load_weights", load_weights)
+    args = run_main("grpo.py", "--steps", "2", "--eval-every", "1", "--output-dir", tmp_path / "run", *SMALL)
+    # start: eval; each step: rollout, sync (weights first), eval
+    assert calls == ["sleep 1", "wake ['kv_cache', 'weights']", "sleep 1",
+                     "wake ['weights']", "wake ['kv_cache']", "sleep 1",
+                     "wake ['kv_cache', 'weights']", "sleep 1", "wake ['weights']", "wake ['kv_cache']", "sleep 1"]
+    assert all(m["rollout/logprob_mismatch"] < logprob_tolerance(args) for m in read_metrics(tmp_path / "run")[1:])
