@@ -32,10 +32,10 @@ from tqdm import tqdm
 from vllm import SamplingParams
 
 from common.errors import RunError, need
-from common.models import (awake, check_model, create_engine, load_policy, load_reference, load_tokenizer,
-                           sync_weights)
-from common.ops import aggregate, batched_logprobs, forward_logprobs, make_batch, masked_mean
-from common.tasks import encode_prompts, evaluate, load_task, stop_token_ids
+from common.models import (awake, check_model, create_engine, encode_prompts, load_policy, load_reference,
+                           load_tokenizer, stop_token_ids, sync_weights)
+from common.ops import aggregate, batched_logprobs, forward_logprobs, make_batch, masked_mean, micro_batches
+from common.tasks import evaluate, load_task
 from common.utils import GracefulInterrupt, Run, check_args, memory_metrics, parse_args, seed_everything, timed
 
 
@@ -293,17 +293,19 @@ def main(args: Args) -> None:
                 for epoch in range(args.num_epochs):
                     for mb in torch.randperm(B, device=device).split(B // args.num_minibatches):
                         num_tokens, num_seqs, mb_loss = loss_mask[mb].sum(), len(mb), 0.0
-                        for micro in mb.split(args.micro_batch_size):
+                        # micro-batches of similar length, each cut to its longest row: [micro, :c] lines up
+                        for micro, cols, c in micro_batches(mb, attention_mask, C, args.micro_batch_size):
                             with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                                logprobs, entropy = forward_logprobs(policy, input_ids[micro], attention_mask[micro],
-                                                                     C, args.temperature, with_entropy=True)
+                                logprobs, entropy = forward_logprobs(policy, input_ids[micro, cols],
+                                                                     attention_mask[micro, cols], c, args.temperature,
+                                                                     with_entropy=True)
                             loss, stats = compute_loss(
-                                logprobs, old_logprobs[micro], None if ref_logprobs is None else ref_logprobs[micro],
-                                advantages[micro], vllm_is_weights[micro], loss_mask[micro], args, num_tokens,
-                                num_seqs)
+                                logprobs, old_logprobs[micro, :c],
+                                None if ref_logprobs is None else ref_logprobs[micro, :c], advantages[micro],
+                                vllm_is_weights[micro, :c], loss_mask[micro, :c], args, num_tokens, num_seqs)
                             loss.backward()  # micro-batch losses add up to the minibatch loss
                             mb_loss += loss.item()
-                            stats["policy/entropy"] = masked_mean(entropy, completion_mask[micro])
+                            stats["policy/entropy"] = masked_mean(entropy, completion_mask[micro, :c])
                             for k, v in stats.items():
                                 step_stats[k].append(float(v))
                         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)

@@ -44,10 +44,10 @@ from vllm import SamplingParams
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from common.errors import RunError, need
-from common.models import (awake, check_model, create_engine, freeze, load_policy, load_pretrained, load_reference,
-                           load_tokenizer, resolve_model, sync_weights)
-from common.ops import aggregate, batched_logprobs, forward_logprobs, make_batch, masked_mean
-from common.tasks import encode_prompts, evaluate, load_task, stop_token_ids
+from common.models import (awake, check_model, create_engine, encode_prompts, freeze, load_policy, load_pretrained,
+                           load_reference, load_tokenizer, resolve_model, stop_token_ids, sync_weights)
+from common.ops import aggregate, batched_logprobs, forward_logprobs, make_batch, masked_mean, micro_batches
+from common.tasks import evaluate, load_task
 from common.utils import GracefulInterrupt, Run, check_args, memory_metrics, parse_args, seed_everything, timed
 
 
@@ -410,10 +410,12 @@ def main(args: Args) -> None:
                 if ref_model is not None:
                     ref_logprobs = batched_logprobs(ref_model, input_ids, attention_mask, C, args.temperature,
                                                     args.micro_batch_size, autocast_dtype)
+                old_values = torch.zeros_like(old_logprobs)
                 with torch.no_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                    old_values = torch.cat([forward_values(critic, input_ids[i:i + args.micro_batch_size],
-                                                           attention_mask[i:i + args.micro_batch_size], C)
-                                            for i in range(0, B, args.micro_batch_size)])
+                    for micro, cols, c in micro_batches(torch.arange(B, device=device), attention_mask, C,
+                                                        args.micro_batch_size):
+                        old_values[micro, :c] = forward_values(critic, input_ids[micro, cols],
+                                                               attention_mask[micro, cols], c)
                 vllm_logprobs = torch.zeros_like(old_logprobs)
                 for i, c in enumerate(completions):
                     vllm_logprobs[i, :len(c.token_ids)] = torch.tensor(
@@ -437,18 +439,20 @@ def main(args: Args) -> None:
                 for epoch in range(args.num_epochs):
                     for mb in torch.randperm(B, device=device).split(B // args.num_minibatches):
                         num_tokens, num_seqs, mb_loss = loss_mask[mb].sum(), len(mb), 0.0
-                        for micro in mb.split(args.micro_batch_size):
+                        # micro-batches of similar length, each cut to its longest row: [micro, :c] lines up
+                        for micro, cols, c in micro_batches(mb, attention_mask, C, args.micro_batch_size):
                             with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                                logprobs, entropy = forward_logprobs(policy, input_ids[micro], attention_mask[micro],
-                                                                     C, args.temperature, with_entropy=True)
-                                values = forward_values(critic, input_ids[micro], attention_mask[micro], C)
+                                logprobs, entropy = forward_logprobs(policy, input_ids[micro, cols],
+                                                                     attention_mask[micro, cols], c, args.temperature,
+                                                                     with_entropy=True)
+                                values = forward_values(critic, input_ids[micro, cols], attention_mask[micro, cols], c)
                             loss, stats = compute_loss(
-                                logprobs, old_logprobs[micro], advantages[micro], values, old_values[micro],
-                                returns[micro], vllm_is_weights[micro], loss_mask[micro], args, num_tokens,
+                                logprobs, old_logprobs[micro, :c], advantages[micro, :c], values, old_values[micro, :c],
+                                returns[micro, :c], vllm_is_weights[micro, :c], loss_mask[micro, :c], args, num_tokens,
                                 num_seqs)
                             loss.backward()  # micro-batch losses add up to the minibatch loss
                             mb_loss += loss.item()
-                            stats["policy/entropy"] = masked_mean(entropy, completion_mask[micro])
+                            stats["policy/entropy"] = masked_mean(entropy, completion_mask[micro, :c])
                             for k, v in stats.items():
                                 step_stats[k].append(float(v))
                         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)

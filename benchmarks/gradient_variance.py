@@ -195,7 +195,7 @@ def measure(policy, tokenizer, params, tasks: dict, examples: dict, args) -> dic
     each batch's completions are sampled and scored by the policy once, and every task's
     reward is computed on those same completions. Returns {task: results}."""
     from common.ops import forward_logprobs, make_batch
-    from common.tasks import encode_prompts
+    from common.models import encode_prompts
 
     names = list(tasks)
     first = examples[names[0]]

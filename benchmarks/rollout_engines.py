@@ -79,8 +79,8 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     env = environment(None if argv is None else [__file__, *argv])
     t_main = time.perf_counter()
-    from common.models import check_model, create_engine, load_policy, load_tokenizer
-    from common.tasks import encode_prompts, load_task
+    from common.models import check_model, create_engine, encode_prompts, load_policy, load_tokenizer
+    from common.tasks import load_task
 
     check_model(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,4 +1,5 @@
-"""Model loading: the trainer's policy and reference, the vLLM engine, and weight sync.
+"""Models: loading the trainer's policy and reference (LoRA included), the tokenizer and how
+a prompt reaches the model (chat template, stop tokens), the vLLM engine, and weight sync.
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by each script before
 vLLM is imported), so moving the trained weights into it is a plain in-memory copy.
@@ -78,8 +79,6 @@ def load_tokenizer(name_or_path: str):
     equal to EOS cannot mask a real EOS. Without a pad token (or with pad == EOS) we still
     prefer an existing special token that ends nothing, else EOS. We never add a token: the
     vocabulary of vLLM's copy of the model cannot grow, and weight sync would fail."""
-    from common.tasks import stop_token_ids
-
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(name_or_path))
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
@@ -87,6 +86,63 @@ def load_tokenizer(name_or_path: str):
         candidates = [i for i in tokenizer.all_special_ids if i not in stops]
         tokenizer.pad_token = tokenizer.convert_ids_to_tokens(candidates[0] if candidates else tokenizer.eos_token_id)
     return tokenizer
+
+
+# ---------------------------------------------------------------------------------------
+# prompts and stop tokens: chat template or raw text
+# ---------------------------------------------------------------------------------------
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_prompts(tokenizer, prompts: list[str], chat_template: bool = True,
+                   system_prompt: str | None = None) -> list[list[int]]:
+    """Token ids of each prompt, exactly as sent to vLLM and scored by the trainer.
+
+    If the tokenizer has a chat template and chat_template is True, each prompt becomes a
+    user message (after an optional system message) rendered with add_generation_prompt:
+    the ids are what the template gives (its own BOS, if any; none added on top).
+    Otherwise the prompt is the raw text (with the tokenizer's usual special tokens), as
+    for the bundled tiny model, which has no template."""
+    if chat_template and has_chat_template(tokenizer):
+        system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+        conversations = [system + [{"role": "user", "content": p}] for p in prompts]
+        return [list(ids) for ids in tokenizer.apply_chat_template(
+            conversations, add_generation_prompt=True, tokenize=True, return_dict=False)]
+    if system_prompt is not None:
+        raise ConfigError("a system prompt needs a chat template: this tokenizer has none "
+                          "(or raw prompts were asked for)")
+    return [tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
+
+
+def end_of_turn_token_ids(tokenizer) -> list[int]:
+    """The special token(s) the chat template puts right after an assistant message
+    (<|im_end|> for ChatML, <|eot_id|> for Llama 3, <end_of_turn> for Gemma); [] without
+    a template. Found by rendering a short conversation, not from a list of names."""
+    if not has_chat_template(tokenizer):
+        return []
+    marker = "Xq7Zw"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": marker}], tokenize=False)
+    except Exception:  # a template that rejects this conversation: no end-of-turn known
+        return []
+    after = text[text.rfind(marker) + len(marker):] if marker in text else ""
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+    return ids[:1] if ids and ids[0] in special else []
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """Token ids that end a completion: the tokenizer's EOS and the chat template's
+    end-of-turn token. Pass them to vLLM as SamplingParams(stop_token_ids=...): vLLM then
+    stops at end-of-turn even when the model's own EOS is another token, and keeps the
+    stop token as the last of the completion's token_ids (so it is in the loss mask and
+    the completion counts as finished, finish_reason "stop", not truncated)."""
+    ids = [tokenizer.eos_token_id] + end_of_turn_token_ids(tokenizer)
+    return list(dict.fromkeys(i for i in ids if i is not None))
 
 
 def load_pretrained(auto_class, name_or_path: str, dtype: str = "float32", **config_overrides):

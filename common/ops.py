@@ -49,18 +49,40 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     return logprobs, entropy
 
 
+def micro_batches(rows: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int, size: int):
+    """Split rows (indices into the batch) into micro-batches of similar length, each cut to
+    the columns it needs. Yields (micro, columns, c): input_ids[micro, columns] holds these
+    rows' prompts left-padded to their own longest prompt and their completions right-padded
+    to their own longest completion, c tokens; per-token tensors line up as [micro, :c].
+
+    Padding costs as much compute as tokens, and a batch's longest prompt and completion are
+    rarely in the same row: sorting by length and cutting each micro-batch to its own longest
+    row skips most of it. Normalizers stay the minibatch's (see aggregate), so the summed
+    micro-batch gradients are still the minibatch's gradient."""
+    C = num_completion_tokens
+    P = attention_mask.shape[1] - C
+    prompt_lens = attention_mask[rows, :P].sum(1)
+    completion_lens = attention_mask[rows, P:].sum(1)
+    order = torch.argsort(completion_lens * (P + 1) + prompt_lens, stable=True)
+    for i in range(0, len(rows), size):
+        chunk = order[i:i + size]
+        p, c = int(prompt_lens[chunk].max()), max(1, int(completion_lens[chunk].max()))
+        yield rows[chunk], slice(P - p, P + c), c
+
+
 @torch.no_grad()
 def batched_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                      num_completion_tokens: int, temperature: float, micro_batch_size: int,
                      autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """forward_logprobs without gradients, one micro-batch of logits at a time."""
-    out = []
-    for i in range(0, input_ids.shape[0], micro_batch_size):
+    """forward_logprobs without gradients, one micro-batch (see micro_batches) at a time;
+    [B, C], 0 on completion padding."""
+    out = torch.zeros(input_ids.shape[0], num_completion_tokens, device=input_ids.device)
+    all_rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    for micro, columns, c in micro_batches(all_rows, attention_mask, num_completion_tokens, micro_batch_size):
         with torch.autocast(input_ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            out.append(forward_logprobs(model, input_ids[i:i + micro_batch_size],
-                                        attention_mask[i:i + micro_batch_size],
-                                        num_completion_tokens, temperature))
-    return torch.cat(out)
+            out[micro, :c] = forward_logprobs(model, input_ids[micro, columns], attention_mask[micro, columns], c,
+                                              temperature)
+    return out
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str,

@@ -15,8 +15,8 @@ scores 0.
     --task jsonl:PATH         your own data: one {"prompt": ..., "answer": ...} per line,
                               checked like gsm8k; jsonl:TRAIN,EVAL for an explicit eval file
 
-How a prompt reaches the model (chat template or raw text) is encode_prompts' job, and
-which tokens end a completion is stop_token_ids'.
+How a prompt reaches the model (chat template or raw text) and which tokens end a
+completion are the tokenizer's business: encode_prompts and stop_token_ids, in common/models.py.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Callable
 
 from common.errors import ConfigError
 from common.hub import hub_reachable
+from common.models import awake, encode_prompts, stop_token_ids
 
 
 @dataclass
@@ -393,63 +394,6 @@ def load_task(name: str, seed: int = 0) -> Task:
 
 
 # ---------------------------------------------------------------------------------------
-# prompts and stop tokens: chat template or raw text
-# ---------------------------------------------------------------------------------------
-
-def has_chat_template(tokenizer) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
-def encode_prompts(tokenizer, prompts: list[str], chat_template: bool = True,
-                   system_prompt: str | None = None) -> list[list[int]]:
-    """Token ids of each prompt, exactly as sent to vLLM and scored by the trainer.
-
-    If the tokenizer has a chat template and chat_template is True, each prompt becomes a
-    user message (after an optional system message) rendered with add_generation_prompt:
-    the ids are what the template gives (its own BOS, if any; none added on top).
-    Otherwise the prompt is the raw text (with the tokenizer's usual special tokens), as
-    for the bundled tiny model, which has no template."""
-    if chat_template and has_chat_template(tokenizer):
-        system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
-        conversations = [system + [{"role": "user", "content": p}] for p in prompts]
-        return [list(ids) for ids in tokenizer.apply_chat_template(
-            conversations, add_generation_prompt=True, tokenize=True, return_dict=False)]
-    if system_prompt is not None:
-        raise ConfigError("a system prompt needs a chat template: this tokenizer has none "
-                          "(or raw prompts were asked for)")
-    return [tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
-
-
-def end_of_turn_token_ids(tokenizer) -> list[int]:
-    """The special token(s) the chat template puts right after an assistant message
-    (<|im_end|> for ChatML, <|eot_id|> for Llama 3, <end_of_turn> for Gemma); [] without
-    a template. Found by rendering a short conversation, not from a list of names."""
-    if not has_chat_template(tokenizer):
-        return []
-    marker = "Xq7Zw"
-    try:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": marker}], tokenize=False)
-    except Exception:  # a template that rejects this conversation: no end-of-turn known
-        return []
-    after = text[text.rfind(marker) + len(marker):] if marker in text else ""
-    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
-    special = set(tokenizer.all_special_ids) | {
-        i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
-    return ids[:1] if ids and ids[0] in special else []
-
-
-def stop_token_ids(tokenizer) -> list[int]:
-    """Token ids that end a completion: the tokenizer's EOS and the chat template's
-    end-of-turn token. Pass them to vLLM as SamplingParams(stop_token_ids=...): vLLM then
-    stops at end-of-turn even when the model's own EOS is another token, and keeps the
-    stop token as the last of the completion's token_ids (so it is in the loss mask and
-    the completion counts as finished, finish_reason "stop", not truncated)."""
-    ids = [tokenizer.eos_token_id] + end_of_turn_token_ids(tokenizer)
-    return list(dict.fromkeys(i for i in ids if i is not None))
-
-
-# ---------------------------------------------------------------------------------------
 # evaluation: greedy decoding on the held-out split
 # ---------------------------------------------------------------------------------------
 
@@ -460,8 +404,6 @@ def evaluate(llm, tokenizer, task, max_new_tokens: int, chat_template: bool = Tr
     Prompts are encoded and completions stopped as in training: pass the same
     chat_template / system_prompt as to encode_prompts (stop tokens: stop_token_ids)."""
     from vllm import SamplingParams  # imported here: the tasks themselves need no vLLM
-
-    from common.models import awake
 
     prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in task.eval], chat_template, system_prompt)
     greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))

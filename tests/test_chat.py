@@ -9,7 +9,8 @@ from vllm import SamplingParams
 
 from common.errors import ConfigError
 from common.ops import make_batch
-from common.tasks import encode_prompts, end_of_turn_token_ids, evaluate, stop_token_ids
+from common.models import encode_prompts, end_of_turn_token_ids, stop_token_ids
+from common.tasks import evaluate
 from tests.conftest import TINY_MODEL
 
 # ChatML, as SmolLM2 and Qwen use it (the tiny vocabulary spells <|im_start|> in characters)

@@ -137,3 +137,38 @@ def test_micro_batched_gradient_equals_full_batch_gradient(mode):
     g_naive = sum(torch.autograd.grad(aggregate(per_token(r), mask[r], mode, max_tokens=C), weight)[0]
                   for r in [slice(0, 2), slice(2, 5), slice(5, 6)])
     assert not torch.allclose(g_naive, g_full)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_cut_micro_batches_of_similar_length_give_the_full_batch_gradient(tiny_policy, tokenizer, mode):
+    """micro_batches sorts rows by length and cuts each micro-batch to its own longest prompt and
+    completion: every real token is kept, padding is skipped, and the accumulated gradient is
+    that of one pass over the whole padded batch."""
+    from common.ops import micro_batches
+
+    digits = ["1", "98765432", "44", "123", "5550", "9", "31415926", "27"]
+    prompts = [tokenizer(f"sort {d}:")["input_ids"] for d in digits]
+    completions = [tokenizer("".join(sorted(d)))["input_ids"] + [tokenizer.eos_token_id] for d in digits]
+    input_ids, attention_mask, completion_mask = make_batch(prompts, completions, tokenizer.pad_token_id, "cpu")
+    B, C = completion_mask.shape
+    advantages = torch.linspace(-1.0, 1.5, B).unsqueeze(1)
+    params = [p for p in tiny_policy.parameters() if p.requires_grad]
+
+    full = aggregate(-advantages * forward_logprobs(tiny_policy, input_ids, attention_mask, C), completion_mask,
+                     mode, max_tokens=C)
+    g_full = torch.autograd.grad(full, params)
+
+    g_acc, seen, widths = [torch.zeros_like(p) for p in params], [], []
+    for micro, cols, c in micro_batches(torch.arange(B), attention_mask, C, 3):
+        assert attention_mask[micro, cols].sum() == attention_mask[micro].sum()  # no real token cut off
+        seen += micro.tolist()
+        widths.append(cols.stop - cols.start)
+        logprobs = forward_logprobs(tiny_policy, input_ids[micro, cols], attention_mask[micro, cols], c)
+        loss = aggregate(-advantages[micro] * logprobs, completion_mask[micro, :c], mode, completion_mask.sum(), B,
+                         max_tokens=C)
+        for acc, g in zip(g_acc, torch.autograd.grad(loss, params)):
+            acc += g
+    assert sorted(seen) == list(range(B))
+    assert sum(widths) < 3 * input_ids.shape[1]  # padding was skipped
+    for acc, g in zip(g_acc, g_full):
+        torch.testing.assert_close(acc, g, atol=1e-5, rtol=1e-4)

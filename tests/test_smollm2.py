@@ -13,7 +13,7 @@ from vllm import SamplingParams
 
 from common import models, smollm2
 from common.ops import forward_logprobs, make_batch
-from common.tasks import encode_prompts, stop_token_ids
+from common.models import encode_prompts, stop_token_ids
 from common.errors import ConfigError
 from tests.conftest import GPU_SHARE, TINY_MODEL, keep_engine, logprob_tolerance
 

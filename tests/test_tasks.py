@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from common.tasks import Task, encode_prompts, load_task, make_sort_task, sort_partial_reward, sort_reward
+from common.models import encode_prompts
+from common.tasks import Task, load_task, make_sort_task, sort_partial_reward, sort_reward
 from common.errors import ConfigError
 
 
