@@ -4,8 +4,9 @@ GRPO's group-normalized advantages, but the importance weight is clipped and det
 instead of the objective: every token keeps a REINFORCE-style gradient, and the bounds
 only cap how much weight an off-policy token gets,
 
-    L = agg_{i,t} [ -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A_i * logp_t + beta * KL_t ]
+    L = agg_{i,t} [ -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * w_t * A_i * logp_t + beta * KL_t ]
     r_t  = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t),     sg = stop-gradient
+    w_t  = min(pi_old(y_t) / pi_vllm(y_t), C)              (--vllm-is-cap C; vLLM's own numerics; 1 when off)
     A_i  = (R_i - mean_j R_j) / (std_j R_j + eps)         (--no-scale-rewards: no std)
     KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1     (the k3 estimator)
 

@@ -8,8 +8,9 @@ within the group (no critic):
 
 and the policy maximizes the clipped surrogate with a KL penalty to a frozen reference:
 
-    L = agg_{i,t} [ -min(r_t A_i, clip(r_t, 1 - eps_low, 1 + eps_high) A_i) + beta * KL_t ]
+    L = agg_{i,t} [ -min(r_t A_i, clip(r_t, 1 - eps_low, 1 + eps_high) A_i) * w_t + beta * KL_t ]
     r_t  = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t)
+    w_t  = min(pi_old(y_t) / pi_vllm(y_t), C)              (--vllm-is-cap C; vLLM's own numerics; 1 when off)
     KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1     (k3, >= 0: the paper's choice)
 
 agg is --loss-agg (the paper: mean over tokens, then over sequences). k3 estimates

@@ -8,7 +8,8 @@ per token: the geometric mean of the token ratios over the completion,
 
 and the clipped surrogate is applied per sequence, averaged over sequences:
 
-    L = mean_i [ -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i) ] + beta * agg_{i,t} KL_t
+    L = mean_i [ -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i) * w_i ] + beta * agg_{i,t} KL_t
+    w_i  = exp( mean_t log min(pi_old(y_t) / pi_vllm(y_t), C) )  (--vllm-is-cap C: vLLM's numerics; 1 when off)
     KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1     (the k3 estimator; the paper uses none)
 
 A sequence is kept or clipped as a whole, so one outlier token can't dominate. s_i moves

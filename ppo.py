@@ -18,9 +18,10 @@ The advantage is GAE with the critic's values, over completion tokens only (V_{T
 whitened over the batch's tokens. Policy and critic minimize, over num_epochs x
 num_minibatches updates per rollout batch,
 
-    L = agg_t [ -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t) ]
+    L = agg_t [ -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t) * w_t ]
         + vf_coef * agg_t [ 0.5 * max((V_t - returns_t)^2, (clip(V_t, V_old_t +- vf_clip) - returns_t)^2) ]
     r_t = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t)
+    w_t = min(pi_old(y_t) / pi_vllm(y_t), C)               (--vllm-is-cap C; vLLM's own numerics; 1 when off)
 
 One AdamW holds two parameter groups (policy at --lr, critic at --critic-lr) and the two
 gradients are clipped separately, so a large value loss never shrinks the policy's step.

@@ -12,7 +12,8 @@ reward, k1 is an unbiased estimate of KL(pi || pi_ref) at samples of pi, k2 and 
 ones with less variance), and the loss is the score-function estimator with a baseline b
 that does not depend on y_i:
 
-    L = agg_{i,t} [ -(G_{i,t} - b) * logp_t ]       (agg seq-mean-token-sum: -(R - b) sum_t logp_t)
+    L = agg_{i,t} [ -w_t * (G_{i,t} - b) * logp_t ]   (agg seq-mean-token-sum, w = 1: -(R - b) sum_t logp_t)
+    w_t  = min(pi_old(y_t) / pi_vllm(y_t), C)              (--vllm-is-cap C; vLLM's own numerics; 1 when off)
 
 b (--baseline): none; batch-mean, the mean return of this batch; moving-average, an
 exponential moving average of past batches' mean returns. A baseline leaves the expected

@@ -7,7 +7,8 @@ moving average. Returns as in reinforce.py (gamma = 1, optional per-token KL pen
 
     G_{i,t} = R_i - beta * sum_{t' >= t} KL_{i,t'}
     A_{i,t} = G_{i,t} - 1/(K-1) * sum_{j != i} G_{j,0}                (G_{j,0}: total return of y_j)
-    L = agg_{i,t} [ -A_{i,t} * logp_t ]       (agg seq-mean-token-sum: -(R_i - b_i) sum_t logp_t)
+    L = agg_{i,t} [ -w_t * A_{i,t} * logp_t ]   (agg seq-mean-token-sum, w = 1: -(R_i - b_i) sum_t logp_t)
+    w_t  = min(pi_old(y_t) / pi_vllm(y_t), C)              (--vllm-is-cap C; vLLM's own numerics; 1 when off)
 
 On-policy: one update per rollout batch, so no importance ratio and no clipping.
 """
