@@ -35,7 +35,9 @@ def tiny_policy(tokenizer):
 
 
 # Every vLLM engine a test creates lives until the session ends: dropping one tears down
-# vLLM's process-wide parallel state, which breaks the engines still in use.
+# vLLM's process-wide parallel state, which breaks the engines still in use. None sleeps
+# (sleep mode exists on CUDA only): a script run would leave a shared engine asleep for the
+# next test; test_sync simulates sleep mode instead.
 ENGINES = []
 
 
@@ -60,7 +62,8 @@ def llm():
     """One in-process vLLM engine for the whole session (an engine takes seconds to start)."""
     from common.models import create_engine
 
-    return keep_engine(create_engine(TINY_MODEL, seed=0, max_model_len=64, gpu_memory_utilization=GPU_SHARE))
+    return keep_engine(create_engine(TINY_MODEL, seed=0, max_model_len=64, gpu_memory_utilization=GPU_SHARE,
+                                     sleep_mode=False))
 
 
 @pytest.fixture()
@@ -84,7 +87,8 @@ def run_main(llm, monkeypatch):
 
         def shared_engine(name_or_path, **kwargs):
             if engine is None:  # another model: a new engine, kept (see ENGINES)
-                return keep_engine(create_engine(name_or_path, **{**kwargs, "gpu_memory_utilization": GPU_SHARE}))
+                return keep_engine(create_engine(name_or_path, **{**kwargs, "gpu_memory_utilization": GPU_SHARE,
+                                                                  "sleep_mode": False}))
             max_len = engine.llm_engine.vllm_config.model_config.max_model_len
             assert kwargs["max_model_len"] <= max_len, (kwargs, max_len)
             return engine

@@ -107,7 +107,7 @@ def eot_engine(eot_model):
     from tests.conftest import GPU_SHARE, keep_engine
 
     return keep_engine(create_engine(eot_model, seed=0, max_model_len=64, enforce_eager=True,
-                                     gpu_memory_utilization=GPU_SHARE)), \
+                                     gpu_memory_utilization=GPU_SHARE, sleep_mode=False)), \
         load_tokenizer(eot_model)
 
 

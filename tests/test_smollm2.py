@@ -39,7 +39,7 @@ def converted(tmp_path_factory):
 @pytest.fixture(scope="module")
 def smollm2_engine(converted):
     return keep_engine(models.create_engine(NAME, seed=0, max_model_len=256, enforce_eager=True,
-                                            gpu_memory_utilization=GPU_SHARE))  # compiled: +50 s
+                                            gpu_memory_utilization=GPU_SHARE, sleep_mode=False))  # compiled: +50 s
 
 
 def vllm_prompt_logprobs(llm, ids):
