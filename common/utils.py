@@ -50,7 +50,7 @@ def parse_args(Args, argv: list[str] | None = None):
     saved = saved_args(Args, checkpoint)
     args = tyro.cli(Args, args=argv, default=saved)
     args.resume = checkpoint  # --resume RUN_FOLDER means its latest checkpoint
-    check_resume(args, saved)
+    check_resume(args)
     for name in RESUMABLE_CHANGES:
         if hasattr(args, name) and getattr(args, name) != getattr(saved, name):
             print(f"resume: --{name.replace('_', '-')} {getattr(saved, name)} -> {getattr(args, name)}")
@@ -95,9 +95,15 @@ def check_args(args, max_context: int, max_prompt_len: int, min_completions: int
 # resuming: which checkpoint, made by what
 # ---------------------------------------------------------------------------------------
 
-def script_name(args) -> str:
+def script_name(Args) -> str:
     """The file that defines this Args class (grpo.py, ...): what made a checkpoint."""
-    return os.path.basename(sys.modules[type(args).__module__].__file__)
+    return os.path.basename(sys.modules[Args.__module__].__file__)
+
+
+def check_script(info: dict, script: str, checkpoint: str) -> None:
+    need(info["script"] == script,
+         f"--resume {checkpoint!r}: this checkpoint was made by {info['script']} (model {info['args']['model']!r}), "
+         f"not {script}; resume it with: python {info['script']} --resume {checkpoint}")
 
 
 def find_checkpoint(path: str) -> str:
@@ -135,11 +141,8 @@ def read_run_info(checkpoint: str) -> dict:
 def saved_args(Args, checkpoint: str):
     """The arguments a checkpoint's run was made with, as an Args, after checking that it
     was made by this script; resuming continues in the checkpoint's run folder."""
-    info = read_run_info(checkpoint)
-    script = os.path.basename(sys.modules[Args.__module__].__file__)
-    need(info["script"] == script,
-         f"--resume {checkpoint!r}: this checkpoint was made by {info['script']} (model {info['args']['model']!r}), "
-         f"not {script}; resume it with: python {info['script']} --resume {checkpoint}")
+    info, script = read_run_info(checkpoint), script_name(Args)
+    check_script(info, script, checkpoint)
     fields = {f.name for f in dataclasses.fields(Args)}
     unknown = sorted(set(info["args"]) - fields)
     need(not unknown, f"--resume {checkpoint!r}: the checkpoint has arguments this {script} does not know "
@@ -159,16 +162,13 @@ def forks(args) -> bool:
     return args.output_dir is not None and os.path.abspath(args.output_dir) != run_folder_of(args.resume)
 
 
-def check_resume(args, saved=None) -> None:
+def check_resume(args) -> None:
     """Refuse a resume whose arguments define another run than the checkpoint's."""
-    script = script_name(args)
     info = read_run_info(args.resume)
-    need(info["script"] == script,
-         f"--resume {args.resume!r}: this checkpoint was made by {info['script']} (model "
-         f"{info['args']['model']!r}), not {script}; resume it with: python {info['script']} --resume {args.resume}")
+    check_script(info, script_name(type(args)), args.resume)
     need(not args.overwrite or forks(args), "--overwrite and --resume contradict each other: a resumed run "
                                             "continues in its own folder (or give a new --output-dir)")
-    saved = info["args"] if saved is None else dataclasses.asdict(saved)
+    saved = info["args"]
     refused = [f"--{k.replace('_', '-')} {saved[k]!r} (you asked for {getattr(args, k)!r})"
                for k in saved if k not in RESUMABLE_CHANGES + ("resume", "output_dir", "overwrite")
                and getattr(args, k) != saved[k]]
@@ -221,7 +221,7 @@ class Run:
     wall time are carried across resumes, so summary.json describes the whole run."""
 
     def __init__(self, args):
-        self.args, self.script = args, script_name(args)
+        self.args, self.script = args, script_name(type(args))
         self.start_step, self.accuracy_start, self.wall_time_before = 0, None, 0.0
         if args.resume:
             args.resume = find_checkpoint(args.resume)

@@ -181,6 +181,12 @@ def test_a_full_disk_leaves_the_previous_checkpoint_and_says_so(tmp_path, tiny_p
     monkeypatch.setattr(shutil, "disk_usage", lambda path: types.SimpleNamespace(free=0))
     with pytest.raises(RunError, match="no space left on"):
         run.save_checkpoint(4, {"policy": tiny_policy}, tokenizer, {"optimizer": {}})
+    # the same error with space to spare is not called a full disk: it stays the error it is
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: types.SimpleNamespace(free=2**40))
+    with pytest.raises(RuntimeError, match="iostream error") as error:
+        run.save_checkpoint(4, {"policy": tiny_policy}, tokenizer, {"optimizer": {}})
+    assert not isinstance(error.value, RunError)
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["step_2"]
     run.close()
 
 
