@@ -36,9 +36,10 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
+import tyro
 from tqdm import tqdm
 from vllm import SamplingParams
 
@@ -48,6 +49,7 @@ from common.errors import RunError, need
 from common.models import (awake, check_model, create_engine, encode_prompts, freeze, load_policy, load_pretrained,
                            load_reference, load_tokenizer, resolve_model, stop_token_ids, sync_weights)
 from common.ops import aggregate, batched_logprobs, forward_logprobs, make_batch, masked_mean, micro_batches
+from common.rewards import load_reward
 from common.tasks import evaluate, load_task
 from common.utils import GracefulInterrupt, Run, check_args, memory_metrics, parse_args, seed_everything, timed
 
@@ -60,7 +62,11 @@ class Args:
     model: str = "models/tiny-sort"
     """hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct) or local folder of the initial policy"""
     task: str = "sort"
-    """task name from common/tasks.py"""
+    """task name from common/tasks.py, or your own: FILE.py:FUNCTION returning a Task (see examples/)"""
+    reward: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
+    """reward terms whose weighted sum replaces the task's reward, one flag each: NAME[:WEIGHT], NAME a
+    built-in (correct: the task's verifier; format: <answer> tags or \\boxed{} present) or FILE.py:FUNCTION
+    taking (completion, example) (see common/rewards.py); none: the task's own"""
     seed: int = 0
     steps: int = 100
     """rollout-and-update iterations"""
@@ -168,6 +174,9 @@ class Args:
     """greedy held-out evaluation every N steps (and at start and end); 0 only at start and end"""
     save_every: int = 50
     """checkpoint every N steps; 0 only on Ctrl-C"""
+    log_completions: int = 4
+    """completions written to completions.jsonl each step with their prompt, rewards and advantage
+    (a W&B table with --track); 0: none"""
     tensorboard: bool = False
     track: bool = False
     """log to Weights & Biases"""
@@ -291,6 +300,7 @@ def main(args: Args) -> None:
     # ---------------------------------------------------------------- setup
     config = check_model(args.model)
     task = load_task(args.task, seed=args.seed)
+    reward_fn = load_reward(args.reward, task)  # checked on a probe, before anything heavy
     tokenizer = load_tokenizer(args.model)
     max_prompt_len = max(len(p) for p in encode_prompts(tokenizer, [e["prompt"] for e in task.train + task.eval],
                                                         args.chat_template, args.system_prompt))
@@ -305,6 +315,7 @@ def main(args: Args) -> None:
          f"--gamma and --lam must be in [0, 1], got {args.gamma} and {args.lam}")
     need(args.vf_coef >= 0 and args.vf_clip > 0,
          f"--vf-coef must be >= 0 and --vf-clip > 0, got {args.vf_coef} and {args.vf_clip}")
+    need(not (args.reward and args.reward_model), "--reward and --reward-model both define the reward: give one")
     need(args.critic_lr > 0, f"--critic-lr must be positive, got {args.critic_lr}")
     for path in (args.critic_model, args.reward_model):
         if path is not None:
@@ -385,10 +396,9 @@ def main(args: Args) -> None:
                 completions = [c for out in outputs for c in out.outputs]  # G per prompt, consecutive
 
             # ---------------------------------------------------------------- 2. reward
-            rewards = torch.tensor([task.reward(c.text, examples[i // G]) for i, c in enumerate(completions)])
+            rewards, reward_parts = reward_fn([c.text for c in completions], [examples[i // G] for i in range(B)])
             truncated = torch.tensor([c.finish_reason == "length" for c in completions])
-            if reward_model is not None:
-                task_rewards = rewards
+            if reward_model is not None:  # reward_parts keep the task's verifier, logged as reward/correct_mean
                 prompt_texts = tokenizer.batch_decode(prompt_ids, skip_special_tokens=False)
                 rewards = reward_model_scores(reward_model, rm_tokenizer, [
                     prompt_texts[i // G] + tokenizer.decode(c.token_ids, skip_special_tokens=False)
@@ -474,6 +484,7 @@ def main(args: Args) -> None:
             metrics = {k: sum(v) / len(v) for k, v in step_stats.items()}
             metrics.update({
                 "reward/mean": rewards.mean(), "reward/std": rewards.std(),
+                **{f"reward/{k}_mean": v.mean() for k, v in reward_parts.items()},
                 "response/length_mean": completion_mask.sum(1).float().mean(),
                 "response/truncated_frac": truncated.float().mean(),
                 "rollout/logprob_mismatch": masked_mean((vllm_logprobs - old_logprobs).abs(), completion_mask),
@@ -501,12 +512,12 @@ def main(args: Args) -> None:
                 "value/explained_variance": 1 - (returns - old_values)[valid].var()
                 / returns[valid].var().clamp(min=1e-8),
             })
-            if reward_model is not None:
-                metrics["reward/task_mean"] = task_rewards.mean()
             if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.steps:
                 eval_metrics = evaluate(llm, tokenizer, task, args.max_new_tokens, args.chat_template, args.system_prompt)
                 metrics.update(eval_metrics)
             run.log(step + 1, metrics)
+            run.log_completions(step + 1, [e["prompt"] for e in examples], [c.text for c in completions], rewards,
+                                reward_parts, advantages)
             progress.set_postfix(reward=f"{float(metrics['reward/mean']):.3f}",
                                  eval_acc=f"{eval_metrics['eval/accuracy']:.3f}",
                                  kl=f"{float(metrics.get('kl/ref', 0.0)):.4f}")

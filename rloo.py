@@ -22,9 +22,10 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
+import tyro
 from tqdm import tqdm
 from vllm import SamplingParams
 
@@ -32,6 +33,7 @@ from common.errors import RunError, need
 from common.models import (awake, check_model, create_engine, encode_prompts, load_policy, load_reference,
                            load_tokenizer, stop_token_ids, sync_weights)
 from common.ops import aggregate, batched_logprobs, forward_logprobs, make_batch, masked_mean, micro_batches
+from common.rewards import load_reward
 from common.tasks import evaluate, load_task
 from common.utils import GracefulInterrupt, Run, check_args, memory_metrics, parse_args, seed_everything, timed
 
@@ -44,7 +46,11 @@ class Args:
     model: str = "models/tiny-sort"
     """hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct) or local folder of the initial policy"""
     task: str = "sort"
-    """task name from common/tasks.py"""
+    """task name from common/tasks.py, or your own: FILE.py:FUNCTION returning a Task (see examples/)"""
+    reward: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
+    """reward terms whose weighted sum replaces the task's reward, one flag each: NAME[:WEIGHT], NAME a
+    built-in (correct: the task's verifier; format: <answer> tags or \\boxed{} present) or FILE.py:FUNCTION
+    taking (completion, example) (see common/rewards.py); none: the task's own"""
     seed: int = 0
     steps: int = 100
     """rollout-and-update iterations"""
@@ -120,6 +126,9 @@ class Args:
     """greedy held-out evaluation every N steps (and at start and end); 0 only at start and end"""
     save_every: int = 50
     """checkpoint every N steps; 0 only on Ctrl-C"""
+    log_completions: int = 4
+    """completions written to completions.jsonl each step with their prompt, rewards and advantage
+    (a W&B table with --track); 0: none"""
     tensorboard: bool = False
     track: bool = False
     """log to Weights & Biases"""
@@ -166,6 +175,7 @@ def main(args: Args) -> None:
     # ---------------------------------------------------------------- setup
     config = check_model(args.model)
     task = load_task(args.task, seed=args.seed)
+    reward_fn = load_reward(args.reward, task)  # checked on a probe, before anything heavy
     tokenizer = load_tokenizer(args.model)
     max_prompt_len = max(len(p) for p in encode_prompts(tokenizer, [e["prompt"] for e in task.train + task.eval],
                                                         args.chat_template, args.system_prompt))
@@ -242,7 +252,7 @@ def main(args: Args) -> None:
                 completions = [c for out in outputs for c in out.outputs]  # G per prompt, consecutive
 
             # ---------------------------------------------------------------- 2. reward
-            rewards = torch.tensor([task.reward(c.text, examples[i // G]) for i, c in enumerate(completions)])
+            rewards, reward_parts = reward_fn([c.text for c in completions], [examples[i // G] for i in range(B)])
 
             # ---------------------------------------------------------------- 3. old / ref log-probs
             with timed(times, "logprobs"):
@@ -313,6 +323,7 @@ def main(args: Args) -> None:
             metrics = {k: sum(v) / len(v) for k, v in step_stats.items()}
             metrics.update({
                 "reward/mean": rewards.mean(), "reward/std": rewards.std(),
+                **{f"reward/{k}_mean": v.mean() for k, v in reward_parts.items()},
                 "response/length_mean": completion_mask.sum(1).float().mean(),
                 "response/truncated_frac": truncated.float().mean(),
                 "rollout/logprob_mismatch": masked_mean((vllm_logprobs - old_logprobs).abs(), completion_mask),
@@ -332,6 +343,8 @@ def main(args: Args) -> None:
                 eval_metrics = evaluate(llm, tokenizer, task, args.max_new_tokens, args.chat_template, args.system_prompt)
                 metrics.update(eval_metrics)
             run.log(step + 1, metrics)
+            run.log_completions(step + 1, [e["prompt"] for e in examples], [c.text for c in completions], rewards,
+                                reward_parts, advantages)
             progress.set_postfix(reward=f"{float(metrics['reward/mean']):.3f}",
                                  eval_acc=f"{eval_metrics['eval/accuracy']:.3f}",
                                  kl=f"{float(metrics.get('kl/ref', 0.0)):.4f}")

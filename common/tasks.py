@@ -14,6 +14,8 @@ scores 0.
     --task rg:NAME[:k=v,...]  any reasoning-gym dataset, its default config or these overrides
     --task jsonl:PATH         your own data: one {"prompt": ..., "answer": ...} per line,
                               checked like gsm8k; jsonl:TRAIN,EVAL for an explicit eval file
+    --task FILE.py:FUNCTION   your own task: a function returning a Task (also MODULE:FUNCTION;
+                              see common/rewards.py, and examples/)
 
 How a prompt reaches the model (chat template or raw text) and which tokens end a
 completion are the tokenizer's business: encode_prompts and stop_token_ids, in common/models.py.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import inspect
 import json
 import math
 import os
@@ -34,6 +37,7 @@ from typing import Callable
 from common.errors import ConfigError
 from common.hub import hub_reachable
 from common.models import awake, encode_prompts, stop_token_ids
+from common.rewards import load_function
 
 
 @dataclass
@@ -387,10 +391,45 @@ def load_task(name: str, seed: int = 0) -> Task:
     prefix, colon, argument = name.partition(":")
     if colon and prefix in TASK_PREFIXES and argument:
         return TASK_PREFIXES[prefix](argument, seed)
+    if colon:
+        return user_task(name, seed)
     if name not in TASKS:
         raise ConfigError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}, "
-                          f"and the spellings gsm8k:PATH, jsonl:PATH, rg:DATASET")
+                          f"and the spellings gsm8k:PATH, jsonl:PATH, rg:DATASET, FILE.py:FUNCTION")
     return TASKS[name](seed=seed)
+
+
+def user_task(spec: str, seed: int) -> Task:
+    """--task FILE.py:FUNCTION: the function's Task (called with seed=SEED if it takes a seed),
+    checked: train and eval examples are dicts with a "prompt" string."""
+    make_task = load_function(spec, "--task")
+    try:
+        signature = inspect.signature(make_task)
+        kwargs = {"seed": seed} if "seed" in signature.parameters else {}
+        signature.bind(**kwargs)
+    except TypeError:
+        raise ConfigError(f"--task {spec!r}: a task function takes no argument or `seed`, "
+                          f"{make_task.__name__} has the signature {signature}") from None
+    try:
+        task = make_task(**kwargs)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"--task {spec!r} raised {type(e).__name__}: {e}") from None
+    if not isinstance(task, Task):
+        raise ConfigError(f"--task {spec!r} returned {type(task).__name__}, not a Task "
+                          f"(from common.tasks import Task; Task(name, train, eval, reward_fn))")
+    for split in ("train", "eval"):
+        examples = getattr(task, split)
+        if not isinstance(examples, list) or not examples:
+            raise ConfigError(f"--task {spec!r}: Task.{split} must be a non-empty list of examples")
+        bad = next((e for e in examples if not isinstance(e, dict) or not isinstance(e.get("prompt"), str)), None)
+        if bad is not None:
+            raise ConfigError(f"--task {spec!r}: every example of Task.{split} must be a dict with a "
+                              f"\"prompt\" string, got {str(bad)[:80]}")
+    if not callable(task.reward_fn):
+        raise ConfigError(f"--task {spec!r}: Task.reward_fn must be a function (completion, example) -> float")
+    return task
 
 
 # ---------------------------------------------------------------------------------------

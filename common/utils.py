@@ -17,11 +17,13 @@ import shutil
 import signal
 import sys
 import time
+import typing
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from common.curves import write_curves
 from common.errors import ConfigError, RunError, need
 from common.models import save_model
 
@@ -34,7 +36,7 @@ from common.models import save_model
 # giving it again with another value is refused.
 RESUMABLE_CHANGES = ("steps", "eval_every", "save_every", "micro_batch_size", "gradient_checkpointing",
                      "vllm_gpu_memory_utilization", "vllm_cpu_kv_cache_gib", "vllm_sleep", "tensorboard", "track",
-                     "wandb_project")
+                     "wandb_project", "log_completions")
 
 
 def parse_args(Args, argv: list[str] | None = None):
@@ -48,6 +50,10 @@ def parse_args(Args, argv: list[str] | None = None):
         return args
     checkpoint = find_checkpoint(args.resume)
     saved = saved_args(Args, checkpoint)
+    # a repeatable flag (--reward) given again replaces its saved value instead of adding to it
+    given = set(argv if argv is not None else sys.argv[1:])
+    saved = dataclasses.replace(saved, **{name: () for name in appended_fields(Args)
+                                          if f"--{name.replace('_', '-')}" in given})
     args = tyro.cli(Args, args=argv, default=saved)
     args.resume = checkpoint  # --resume RUN_FOLDER means its latest checkpoint
     check_resume(args)
@@ -55,6 +61,14 @@ def parse_args(Args, argv: list[str] | None = None):
         if hasattr(args, name) and getattr(args, name) != getattr(saved, name):
             print(f"resume: --{name.replace('_', '-')} {getattr(saved, name)} -> {getattr(args, name)}")
     return args
+
+
+def appended_fields(Args) -> list[str]:
+    """The fields given once per value (tyro.conf.UseAppendAction: --reward A --reward B)."""
+    import tyro
+
+    hints = typing.get_type_hints(Args, include_extras=True)
+    return [name for name, hint in hints.items() if tyro.conf.UseAppendAction in getattr(hint, "__metadata__", ())]
 
 
 def check_args(args, max_context: int, max_prompt_len: int, min_completions: int = 2) -> None:
@@ -76,6 +90,7 @@ def check_args(args, max_context: int, max_prompt_len: int, min_completions: int
     need(args.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     need(args.eval_every >= 0, f"--eval-every must be >= 0 (0: only at start and end), got {args.eval_every}")
     need(args.save_every >= 0, f"--save-every must be >= 0 (0: only on Ctrl-C), got {args.save_every}")
+    need(args.log_completions >= 0, f"--log-completions must be >= 0, got {args.log_completions}")
     need(args.vllm_cpu_kv_cache_gib >= 1, f"--vllm-cpu-kv-cache-gib must be >= 1, got {args.vllm_cpu_kv_cache_gib}")
     need(0 < args.vllm_gpu_memory_utilization <= 1,
          f"--vllm-gpu-memory-utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
@@ -206,13 +221,13 @@ def set_rng_state(state: dict) -> None:
 # the run folder
 # ---------------------------------------------------------------------------------------
 
-RUN_FILES = ("args.json", "metrics.jsonl", "checkpoints", "final", "summary.json")
+RUN_FILES = ("args.json", "metrics.jsonl", "completions.jsonl", "checkpoints", "final", "summary.json", "curves.png")
 
 
 class Run:
     """The run folder, checked before anything heavy starts:
 
-        args.json  metrics.jsonl  checkpoints/step_N/  final/  summary.json
+        args.json  metrics.jsonl  completions.jsonl  checkpoints/step_N/  final/  summary.json  curves.png
 
     A new run needs a new or empty folder (--overwrite empties an earlier run's folder). A
     resumed run continues in its checkpoint's folder, from that checkpoint's step, and drops
@@ -278,7 +293,7 @@ class Run:
         """Resuming from an earlier checkpoint abandons what the run wrote after it."""
         later = [p for p in Path(self.dir, "checkpoints").glob("step_*")
                  if not p.name[5:].isdigit() or int(p.name[5:]) > step]
-        for name in ("final", "final.tmp", "summary.json"):
+        for name in ("final", "final.tmp", "summary.json", "curves.png"):
             if os.path.exists(os.path.join(self.dir, name)):
                 later.append(Path(self.dir, name))
         if later:
@@ -290,6 +305,21 @@ class Run:
         if step == 0 and "eval/accuracy" in metrics:
             self.accuracy_start = float(metrics["eval/accuracy"])
         self.logger.log(step, metrics)
+
+    def log_completions(self, step: int, prompts: list[str], completions: list[str], rewards, reward_parts: dict,
+                        advantages) -> None:
+        """The first --log-completions completions of the step (the G of the first prompt, then
+        the next prompt's) as records of completions.jsonl: prompt, completion, reward, each
+        reward term and the advantage (per-token advantages: the first token's)."""
+        n = min(self.args.log_completions, len(completions))
+        if n == 0:
+            return
+        G = len(completions) // len(prompts)
+        advantages = advantages if advantages.dim() == 1 else advantages[:, 0]
+        records = [{"step": step, "prompt": prompts[i // G], "completion": completions[i],
+                    "reward": float(rewards[i]), **{f"reward/{k}": float(v[i]) for k, v in reward_parts.items()},
+                    "advantage": float(advantages[i])} for i in range(n)]
+        self.logger.log_completions(step, records)
 
     def wall_time(self) -> float:
         return self.wall_time_before + time.perf_counter() - self.t_start
@@ -328,7 +358,9 @@ class Run:
         print(f"done: held-out accuracy {start} -> {eval_metrics['eval/accuracy']:.3f}; final model in {final_dir}")
 
     def close(self) -> None:
+        """Closes the logs and draws curves.png from metrics.jsonl (at the end and on Ctrl-C)."""
         self.logger.close()
+        write_curves(self.dir)
 
 
 def holds_progress(path: str) -> bool:
@@ -405,18 +437,27 @@ def filesystem_of(path: str) -> str:
 # metrics: a JSONL file always; TensorBoard and Weights & Biases when asked
 # ---------------------------------------------------------------------------------------
 
+def open_until(path: str, step: int):
+    """A JSONL log of {"step": N, ...} lines, opened for appending: a resumed run (step > 0)
+    keeps the lines up to its checkpoint's step and drops those written after it."""
+    kept = []
+    if step > 0 and os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if json.loads(line)["step"] <= step]
+    f = open(path, "w")
+    f.writelines(kept)
+    return f
+
+
 class MetricsLogger:
     def __init__(self, output_dir: str, args, start_step: int = 0, tensorboard: bool = False,
                  track: bool = False, wandb_project: str = "rl-lm"):
         """start_step > 0 (a resumed run) keeps the lines of metrics.jsonl up to that step
         and drops those the interrupted run wrote after its checkpoint."""
-        path = os.path.join(output_dir, "metrics.jsonl")
-        kept = []
-        if start_step > 0 and os.path.exists(path):
-            with open(path) as f:
-                kept = [line for line in f if json.loads(line)["step"] <= start_step]
-        self.file = open(path, "w")
-        self.file.writelines(kept)
+        self.file = open_until(os.path.join(output_dir, "metrics.jsonl"), start_step)
+        self.completions_path = os.path.join(output_dir, "completions.jsonl")  # written from its first record
+        self.completions = open_until(self.completions_path, start_step) if os.path.exists(self.completions_path) \
+            else None
         self.tb = self.wandb = None
         config = dataclasses.asdict(args)
         write_json(os.path.join(output_dir, "args.json"), config)
@@ -440,8 +481,22 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.log(clean, step=step)
 
+    def log_completions(self, step: int, records: list[dict]) -> None:
+        if self.completions is None:
+            self.completions = open(self.completions_path, "w")
+        self.completions.writelines(json.dumps(r) + "\n" for r in records)
+        self.completions.flush()
+        if self.wandb is not None:
+            import wandb
+
+            columns = list(records[0])
+            table = wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in records])
+            self.wandb.log({"completions": table}, step=step)
+
     def close(self) -> None:
         self.file.close()
+        if self.completions is not None:
+            self.completions.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:

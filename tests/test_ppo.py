@@ -167,7 +167,7 @@ def test_ppo_with_reward_model_and_resume(tmp_path, tokenizer, run_main):
              "--reward-model", tmp_path / "rm", *SMALL)
     metrics = read_metrics(out)
     for m in metrics[1:]:
-        assert all(k in m and math.isfinite(m[k]) for k in STEP_METRICS + PPO_METRICS + ["reward/task_mean"]), m
+        assert all(k in m and math.isfinite(m[k]) for k in STEP_METRICS + PPO_METRICS + ["reward/correct_mean"]), m
     # the training reward is the reward model's score, not the verifier's 0/1
     assert any(m["reward/mean"] not in (0.0, 1.0) for m in metrics[1:])
 

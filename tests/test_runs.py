@@ -220,7 +220,7 @@ def test_resume_continues_the_run_and_carries_its_start(tmp_path, run_main, caps
     assert (args.prompts_per_step, args.micro_batch_size) == (4, 3)  # SMALL, not the defaults
     printed = capsys.readouterr().out
     assert "resume: --steps 3 -> 2" in printed
-    assert "removing what the run wrote after step 1: final, step_2, step_3, summary.json" in printed
+    assert "removing what the run wrote after step 1: curves.png, final, step_2, step_3, summary.json" in printed
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [0, 1, 2]
     summary = json.loads((out / "summary.json").read_text())
@@ -229,6 +229,7 @@ def test_resume_continues_the_run_and_carries_its_start(tmp_path, run_main, caps
     assert f"held-out accuracy {metrics[0]['eval/accuracy']:.3f} -> " in printed
     assert sorted(os.listdir(out / "checkpoints")) == ["step_1", "step_2"]
     assert json.loads((out / "args.json").read_text())["steps"] == 2
+    assert (out / "curves.png").exists()  # removed with what the run wrote after step 1, then drawn again
 
 
 def test_sigint_in_process_saves_and_exits_130(tmp_path, run_main, monkeypatch, capsys):
@@ -251,6 +252,7 @@ def test_sigint_in_process_saves_and_exits_130(tmp_path, run_main, monkeypatch, 
     assert os.listdir(out / "checkpoints") == ["step_2"]
     assert "Ctrl-C: finishing this step" in capsys.readouterr().out
     assert read_metrics(out)[-1]["step"] == 2 and not (out / "final").exists()
+    assert (out / "curves.png").stat().st_size > 0  # the picture of the run so far
 
 
 def wait_for_steps(proc, run_dir, steps: int, timeout_s: int = 600) -> None:
