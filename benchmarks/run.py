@@ -1,6 +1,6 @@
 """All benchmarks in one command, on the bundled tiny model and the default task `sort`:
 
-1. the six algorithm scripts side by side, with the same budget and seeds, each a plain
+1. the seven algorithm scripts side by side, with the same budget and seeds, each a plain
    `python <script>.py ...` subprocess: held-out accuracy, speed, memory, where a step's time goes;
 2. the policy-gradient lecture's claim (a baseline keeps the expected gradient and lowers its
    variance): REINFORCE without / with the batch-mean baseline, RLOO and GRPO learning on `sort`
@@ -48,7 +48,7 @@ class Config:
     flags: tuple[str, ...] = ()
 
 
-# the six algorithms, each with its own default hyperparameters (reinforce's baseline spelled out)
+# the seven algorithms, each with its own default hyperparameters (reinforce's baseline spelled out)
 ALGORITHMS = [
     Config("reinforce", "REINFORCE", "reinforce.py", ("--baseline", "batch-mean")),
     Config("rloo", "RLOO", "rloo.py"),
@@ -56,6 +56,7 @@ ALGORITHMS = [
     Config("grpo", "GRPO", "grpo.py"),
     Config("gspo", "GSPO", "gspo.py"),
     Config("cispo", "CISPO", "cispo.py"),
+    Config("dapo", "DAPO", "dapo.py"),
 ]
 NO_BASELINE = Config("reinforce-no-baseline", "REINFORCE, no baseline", "reinforce.py", ("--baseline", "none"))
 # The lecture's four estimators, each with the gradient_variance.py estimator of the same advantage.
@@ -685,7 +686,7 @@ def write_report(data: dict, out: Path) -> str:
                     f"{s['prompts_per_step']} prompts x {s['completions_per_prompt']} completions, seeds {s['seeds']} "
                     f"({band})")
         plot_time_breakdown(main, out / "time_breakdown.png")
-        parts += ["### Six algorithms, one task, the same budget\n", comparison_table(main),
+        parts += ["### The algorithms, one task, the same budget\n", comparison_table(main),
                   f"Budget, the same for every script: `{' '.join(budget_flags(s))}`, seeds {s['seeds']}; every other "
                   f"hyperparameter is the script's default. Mean ± std over seeds. Training time is the sum of the "
                   f"steps' times (no start-up, no held-out evaluation); 'steps to {TARGET:g}' is the first evaluated "

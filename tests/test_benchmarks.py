@@ -305,7 +305,7 @@ def test_quick_mode_end_to_end(tmp_path):
     assert "Command: `python benchmarks/run.py --mode quick" in report and "Measured" in report
 
     # the table: one row per algorithm, the expected columns, numbers everywhere
-    header, rows = first_table(report.split("### Six algorithms")[1])
+    header, rows = first_table(report.split("### The algorithms")[1])
     for column in ["algorithm", "held-out acc. start", "end", "steps to 0.8", "train time to 0.8 (s)", "steps/s",
                    "tokens/s", "peak mem. (GiB)"]:
         assert column in header, header

@@ -69,7 +69,7 @@ def test_resume_refuses_flags_that_define_the_run(tmp_path, flags, message):
 
 
 def test_resumable_changes_are_flags_of_every_script():
-    for script in ("grpo", "gspo", "cispo", "reinforce", "rloo", "ppo"):
+    for script in ("grpo", "gspo", "cispo", "dapo", "reinforce", "rloo", "ppo"):
         fields = vars(__import__(script).Args())
         assert all(name in fields for name in RESUMABLE_CHANGES), script
 
