@@ -40,7 +40,8 @@ from vllm import SamplingParams
 from common.errors import RunError, need
 from common.models import (awake, check_model, create_engine, encode_prompts, load_policy, load_reference,
                            load_tokenizer, stop_token_ids, sync_weights)
-from common.ops import aggregate, batched_logprobs, forward_logprobs, make_batch, masked_mean, micro_batches
+from common.ops import (aggregate, batched_logprobs, forward_logprobs, make_batch, masked_mean, micro_batches,
+                        truncated_is_weights)
 from common.rewards import load_reward
 from common.tasks import evaluate, load_task
 from common.utils import GracefulInterrupt, Run, check_args, memory_metrics, parse_args, seed_everything, timed
@@ -289,8 +290,11 @@ def main(args: Args) -> None:
                 if args.mask_truncated_completions:
                     loss_mask[truncated] = 0  # no EOS: we don't know how these would have ended
                 C = completion_mask.shape[1]
-                old_logprobs = batched_logprobs(policy, input_ids, attention_mask, C, args.temperature,
-                                                args.micro_batch_size, autocast_dtype)
+                # on-policy, one update: pi_old is the very policy the update differentiates, so its forward gives
+                # old_logprobs (detached), exactly; the KL penalty in the reward needs them before, in a pass
+                reuse_forward = ref_model is None
+                old_logprobs = torch.zeros(B, C, device=device) if reuse_forward else batched_logprobs(
+                    policy, input_ids, attention_mask, C, args.temperature, args.micro_batch_size, autocast_dtype)
                 ref_logprobs = None
                 if ref_model is not None:
                     ref_logprobs = batched_logprobs(ref_model, input_ids, attention_mask, C, args.temperature,
@@ -299,9 +303,6 @@ def main(args: Args) -> None:
                 for i, c in enumerate(completions):
                     vllm_logprobs[i, :len(c.token_ids)] = torch.tensor(
                         [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
-                # truncated importance sampling: vLLM sampled from its own numerics, not exactly pi_old
-                is_ratio = torch.exp(old_logprobs - vllm_logprobs)
-                vllm_is_weights = is_ratio.clamp(max=vllm_is_cap) if vllm_is_cap else torch.ones_like(is_ratio)
 
             # ---------------------------------------------------------------- 4. advantage
             kl = torch.zeros_like(old_logprobs) if ref_logprobs is None else \
@@ -324,7 +325,12 @@ def main(args: Args) -> None:
                                 logprobs, entropy = forward_logprobs(policy, input_ids[micro, cols],
                                                                      attention_mask[micro, cols], c, args.temperature,
                                                                      with_entropy=True)
-                            loss, stats = compute_loss(logprobs, advantages[micro, :c], vllm_is_weights[micro, :c],
+                            if reuse_forward:  # filled as the update reaches each micro-batch
+                                old_logprobs[micro, :c] = logprobs.detach()
+                            # vLLM sampled from its own numerics, not exactly pi_old: truncated importance weights
+                            vllm_is_weights = truncated_is_weights(old_logprobs[micro, :c], vllm_logprobs[micro, :c],
+                                                                   vllm_is_cap)
+                            loss, stats = compute_loss(logprobs, advantages[micro, :c], vllm_is_weights,
                                                        loss_mask[micro, :c], args, num_tokens, num_seqs)
                             loss.backward()  # micro-batch losses add up to the minibatch loss
                             mb_loss += loss.item()
@@ -353,9 +359,10 @@ def main(args: Args) -> None:
                 "response/length_mean": completion_mask.sum(1).float().mean(),
                 "response/truncated_frac": truncated.float().mean(),
                 "rollout/logprob_mismatch": masked_mean((vllm_logprobs - old_logprobs).abs(), completion_mask),
-                "rollout/is_weight_mean": masked_mean(vllm_is_weights, completion_mask),
-                "rollout/is_capped_frac": masked_mean((is_ratio > vllm_is_cap).float(), completion_mask)
-                if vllm_is_cap else 0.0,
+                "rollout/is_weight_mean": masked_mean(truncated_is_weights(old_logprobs, vllm_logprobs, vllm_is_cap),
+                                                      completion_mask),
+                "rollout/is_capped_frac": masked_mean((torch.exp(old_logprobs - vllm_logprobs) > vllm_is_cap).float(),
+                                                      completion_mask) if vllm_is_cap else 0.0,
                 "optim/lr": scheduler.get_last_lr()[0],
                 **{f"time/{k}": v for k, v in times.items()},
                 "throughput/tokens_per_s": completion_mask.sum() / times["step"],

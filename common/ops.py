@@ -85,6 +85,14 @@ def batched_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     return out
 
 
+def truncated_is_weights(old_logprobs: torch.Tensor, vllm_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """w_t = min(pi_old(y_t) / pi_vllm(y_t), cap): vLLM sampled each token from its own numerics,
+    not exactly from pi_old, and truncated importance sampling corrects the policy gradient for
+    it (the cap bounds the variance). cap 0: off, every weight 1."""
+    ratio = torch.exp(old_logprobs - vllm_logprobs)
+    return ratio.clamp(max=cap) if cap else torch.ones_like(ratio)
+
+
 def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str,
               num_tokens: float | torch.Tensor | None = None, num_seqs: int | None = None,
               max_tokens: int | None = None) -> torch.Tensor:

@@ -108,3 +108,22 @@ def test_bad_input_from_the_command_line_prints_no_traceback():
     assert r.returncode != 0
     assert r.stderr.strip().splitlines()[-1].startswith("error: unknown task 'nope'; known tasks: basic_arithmetic")
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("num_minibatches, passes", [(1, 0), (2, 2)])
+def test_one_update_per_batch_takes_old_logprobs_from_the_update(tmp_path, run_main, monkeypatch, num_minibatches,
+                                                                passes):
+    """With one epoch of one minibatch there is no separate old-log-prob pass (no reference either,
+    --kl-coef 0), yet old_logprobs are the trainer's: vLLM's agree with them as closely as ever."""
+    import grpo
+    from common import ops
+
+    calls = []
+    monkeypatch.setattr(grpo, "batched_logprobs", lambda *a, **k: calls.append(1) or ops.batched_logprobs(*a, **k))
+    out = tmp_path / "run"
+    args = run_main("grpo.py", "--steps", "2", "--kl-coef", "0", "--eval-every", "0", "--save-every", "0",
+                    "--output-dir", out, *SMALL, "--num-minibatches", num_minibatches)
+    assert len(calls) == passes
+    for m in read_metrics(out)[1:]:
+        assert 0 < m["rollout/logprob_mismatch"] < logprob_tolerance(args)
+        assert m["rollout/is_weight_mean"] == pytest.approx(1.0, abs=10 * logprob_tolerance(args))

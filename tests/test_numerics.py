@@ -109,3 +109,55 @@ def test_bf16_path_learns_on_the_cpu_with_a_bf16_sized_mismatch(tmp_path):
     assert all(m["rollout/is_weight_mean"] != 1.0 for m in metrics[1:])  # TIS is on: weights differ from 1
     assert metrics[-1]["eval/accuracy"] >= metrics[0]["eval/accuracy"] + 0.3, (metrics[0], metrics[-1])
 
+
+
+def update_gradient(script, policy, batch, vllm_logprobs, advantages, old_logprobs=None):
+    """One minibatch of the scripts' update over micro-batches of 2, as the scripts write it: with
+    old_logprobs from a pass of their own, or (None) from the update's own forward, detached.
+    Returns the summed loss and the flattened gradient."""
+    from common.ops import forward_logprobs, micro_batches, truncated_is_weights
+
+    input_ids, attention_mask, mask = batch
+    B, C = mask.shape
+    reuse_forward = old_logprobs is None
+    old_logprobs = torch.zeros(B, C) if reuse_forward else old_logprobs
+    args = script.Args(loss_agg="token-mean", kl_coef=0.0)
+    policy.zero_grad()
+    total = 0.0
+    for micro, cols, c in micro_batches(torch.randperm(B, generator=torch.Generator().manual_seed(0)),
+                                        attention_mask, C, 2):
+        logprobs = forward_logprobs(policy, input_ids[micro, cols], attention_mask[micro, cols], c, 1.0)
+        if reuse_forward:
+            old_logprobs[micro, :c] = logprobs.detach()
+        weights = truncated_is_weights(old_logprobs[micro, :c], vllm_logprobs[micro, :c], 2.0)
+        if script is reinforce:
+            loss, _ = script.compute_loss(logprobs, advantages[micro].unsqueeze(1) * mask[micro, :c], weights,
+                                          mask[micro, :c], args, mask.sum(), B)
+        else:
+            loss, _ = script.compute_loss(logprobs, old_logprobs[micro, :c], None, advantages[micro], weights,
+                                          mask[micro, :c], args, mask.sum(), B)
+        loss.backward()
+        total += loss.item()
+    return total, torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
+
+
+@pytest.mark.parametrize("script", [grpo, gspo, cispo, reinforce], ids=lambda m: m.__name__)
+def test_old_logprobs_from_the_updates_own_forward_give_todays_loss_and_gradient(script, tiny_policy):
+    """One epoch, one minibatch: old log-probs taken from the update's forward (detached) instead of
+    a pass of their own (batched_logprobs, other micro-batches) give the same loss and gradient, up
+    to fp32 rounding (other micro-batches cut the padding elsewhere: ~1e-6 apart)."""
+    from common.ops import batched_logprobs, make_batch
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 20, (n,), generator=g).tolist() for n in (3, 5, 4, 6, 2, 5)]
+    completions = [torch.randint(3, 20, (n,), generator=g).tolist() for n in (4, 1, 6, 3, 5, 2)]
+    batch = make_batch(prompts, completions, 0, "cpu")
+    input_ids, attention_mask, mask = batch
+    old_logprobs = batched_logprobs(tiny_policy, input_ids, attention_mask, mask.shape[1], 1.0, 4)
+    vllm_logprobs = old_logprobs + 0.3 * torch.randn(old_logprobs.shape, generator=g)  # some weights capped at 2
+    advantages = torch.randn(6, generator=g)
+    loss, grad = update_gradient(script, tiny_policy, batch, vllm_logprobs, advantages, old_logprobs)
+    reused_loss, reused_grad = update_gradient(script, tiny_policy, batch, vllm_logprobs, advantages)
+    assert grad.abs().sum() > 0
+    assert reused_loss == pytest.approx(loss, rel=1e-5, abs=1e-7)
+    assert (reused_grad - grad).norm() < 1e-5 * grad.norm()
