@@ -6,11 +6,14 @@ a dict with at least "prompt" (the user's text: the question and the answer form
 asks for) and "answer". A reward never raises on model output: what it cannot read
 scores 0.
 
-    --task sort               the bundled digit-sorting task (the default)
+    --task sort               the bundled digit-sorting task (the default): 3 to 8 digits
+    --task sort:MIN-MAX       the same with lists of MIN to MAX digits (sort:9-11: longer than the
+                              tiny model's demonstrations, a harder task)
     --task gsm8k              GSM8K from the hub (openai/gsm8k, config main), checked by math-verify
     --task gsm8k:PATH         the same from a local copy of the hub dataset (README.md, main/*.parquet)
     --task countdown          reasoning-gym's countdown (small config, see RG_TASKS)
     --task basic_arithmetic   reasoning-gym's basic_arithmetic (small config)
+    --task arithmetic         the same problems asking for \boxed{}, read leniently by math-verify
     --task rg:NAME[:k=v,...]  any reasoning-gym dataset, its default config or these overrides
     --task jsonl:PATH         your own data: one {"prompt": ..., "answer": ...} per line,
                               checked like gsm8k; jsonl:TRAIN,EVAL for an explicit eval file
@@ -345,6 +348,22 @@ def make_rg_task(dataset: str, seed: int = 0, num_train: int | None = None, num_
     return Task(name or f"rg:{dataset}", train, eval_examples, reward)
 
 
+def make_arithmetic_task(seed: int = 0) -> Task:
+    """basic_arithmetic's problems (small config) asked and checked as GSM8K's: the prompt asks
+    for \\boxed{} and math-verify reads the final answer leniently (the last \\boxed{}, else
+    "the answer is ...", else the last number) and compares its value. A small model that states
+    the right number without the <answer> tags reasoning-gym asks for still scores, so
+    SmolLM2-135M-Instruct starts above 0 and has a gradient."""
+    dataset, config = RG_TASKS["basic_arithmetic"]
+    problems = make_rg_task(dataset, seed=seed, config=config, name="arithmetic")
+
+    def asked_for_boxed(e: dict) -> dict:
+        return {**e, "prompt": f"{e['question'].rstrip()}\n{MATH_FORMAT}"}
+
+    return Task("arithmetic", [asked_for_boxed(e) for e in problems.train],
+                [asked_for_boxed(e) for e in problems.eval], math_reward)
+
+
 def parse_rg_spec(spec: str) -> tuple[str, dict]:
     """'basic_arithmetic:max_terms=2,max_digits=1' -> ('basic_arithmetic', {...})."""
     dataset, _, overrides = spec.partition(":")
@@ -368,9 +387,17 @@ TASKS: dict[str, Callable[..., Task]] = {
     "sort": make_sort_task,
     "sort-partial": functools.partial(make_sort_task, name="sort-partial", reward_fn=sort_partial_reward),
     "gsm8k": make_gsm8k_task,
+    "arithmetic": make_arithmetic_task,
     **{name: functools.partial(make_rg_task, dataset, config=config, name=name)
        for name, (dataset, config) in RG_TASKS.items()},
 }
+
+
+def _sort_from_spec(spec: str, seed: int) -> Task:
+    low, dash, high = spec.partition("-")
+    if not (low.isdigit() and dash and high.isdigit() and 3 <= int(low) <= int(high)):  # 3: enough distinct lists
+        raise ConfigError(f"task 'sort:{spec}': expected sort:MIN-MAX with 3 <= MIN <= MAX, e.g. sort:9-11")
+    return make_sort_task(seed, min_len=int(low), max_len=int(high), name=f"sort:{spec}")
 
 
 def _rg_from_spec(spec: str, seed: int) -> Task:
@@ -383,6 +410,7 @@ TASK_PREFIXES: dict[str, Callable[[str, int], Task]] = {
     "gsm8k": lambda path, seed: make_gsm8k_task(seed=seed, source=path),
     "jsonl": lambda spec, seed: make_jsonl_task(spec, seed=seed),
     "rg": _rg_from_spec,
+    "sort": _sort_from_spec,
 }
 
 
@@ -395,7 +423,7 @@ def load_task(name: str, seed: int = 0) -> Task:
         return user_task(name, seed)
     if name not in TASKS:
         raise ConfigError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}, "
-                          f"and the spellings gsm8k:PATH, jsonl:PATH, rg:DATASET, FILE.py:FUNCTION")
+                          f"and the spellings sort:MIN-MAX, gsm8k:PATH, jsonl:PATH, rg:DATASET, FILE.py:FUNCTION")
     return TASKS[name](seed=seed)
 
 

@@ -203,8 +203,9 @@ def test_registry_and_rg_spelling():
     assert all(e["metadata"]["num_digits"] == 1 and e["metadata"]["num_terms"] == 2 for e in task.train[:100])
     with pytest.raises(ConfigError, match="reasoning-gym cannot create 'no_such_dataset'"):
         load_task("rg:no_such_dataset")
-    with pytest.raises(ConfigError, match=r"unknown task 'gsm9k'; known tasks: basic_arithmetic, countdown, "
-                                          r"gsm8k, sort, sort-partial, and the spellings gsm8k:PATH, jsonl:PATH"):
+    with pytest.raises(ConfigError, match=r"unknown task 'gsm9k'; known tasks: arithmetic, basic_arithmetic, "
+                                          r"countdown, gsm8k, sort, sort-partial, and the spellings sort:MIN-MAX, "
+                                          r"gsm8k:PATH, jsonl:PATH"):
         load_task("gsm9k")
 
 

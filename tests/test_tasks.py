@@ -58,3 +58,26 @@ def test_tokenizer_is_character_level(tokenizer):
     assert len(ids) == len("sort 52813:")
     assert tokenizer.decode(ids) == "sort 52813:"
     assert tokenizer.eos_token_id != tokenizer.pad_token_id
+
+
+def test_sort_with_other_list_lengths():
+    task = load_task("sort:9-11", seed=0)
+    assert task.name == "sort:9-11"
+    lengths = {len(e["answer"]) for e in task.train[:500] + task.eval}
+    assert lengths == {9, 10, 11}
+    assert all(e["answer"] == "".join(sorted(e["prompt"][5:-1])) for e in task.eval)
+    for bad in ("sort:2-5", "sort:9", "sort:9-7", "sort:a-b"):
+        with pytest.raises(ConfigError, match="expected sort:MIN-MAX"):
+            load_task(bad)
+
+
+def test_arithmetic_asks_for_boxed_and_reads_the_answer_leniently():
+    task = load_task("arithmetic", seed=0)
+    rg = load_task("basic_arithmetic", seed=0)
+    assert [e["question"] for e in task.eval] == [e["question"] for e in rg.eval]  # the same problems
+    e = next(e for e in task.eval if e["answer"] not in e["question"])
+    assert e["prompt"].endswith("\\boxed{}.") and e["question"] in e["prompt"]
+    assert task.reward(f"The result is \\boxed{{{e['answer']}}}.", e) == 1.0
+    assert task.reward(f"{e['question']} = {e['answer']}", e) == 1.0  # the last number, without a box
+    assert task.reward(f"\\boxed{{{int(e['answer']) + 1}}}", e) == 0.0
+    assert task.reward("I do not know.", e) == 0.0
