@@ -89,6 +89,11 @@ MODES = {
                  # the same engine comparison on a real 135M instruct model with longer completions
                  engines_smollm2=["--model", "smollm2-135m-instruct", "--task", "basic_arithmetic", "--sizes", "8x4",
                                   "32x4", "--max-new-tokens", "64", "--repeats", "3"]),
+    # a task on which the algorithms need many steps and differ: sorting 9 to 11 digits, longer lists
+    # than any of the tiny model's demonstrations (3 to 8); only the comparison runs. 16 new tokens: the
+    # longest answer (11 digits and EOS) stays clear of dapo.py's overlong penalty (its last 3 tokens)
+    "hard": dict(seeds=[0, 1, 2], steps=100, prompts_per_step=32, completions_per_prompt=8, eval_every=5,
+                 jobs=1, task="sort:9-11", max_new_tokens=16, target=0.5),
 }
 TARGET = 0.8  # held-out accuracy for "steps / time to target"
 TIME_PARTS = ["rollout", "logprobs", "train", "sync"]
@@ -110,7 +115,8 @@ def lecture_configs(estimators: list[str]) -> list[Config]:
 def budget_flags(s: dict) -> list[str]:
     return ["--steps", str(s["steps"]), "--prompts-per-step", str(s["prompts_per_step"]),
             "--completions-per-prompt", str(s["completions_per_prompt"]), "--eval-every", str(s["eval_every"]),
-            "--save-every", "0"]
+            "--save-every", "0", *(["--task", s["task"]] if "task" in s else []),
+            *(["--max-new-tokens", str(s["max_new_tokens"])] if "max_new_tokens" in s else [])]
 
 
 def _env(threads: int | None = None) -> dict:
@@ -357,6 +363,43 @@ def time_table(results: dict) -> str:
             + [fmt(a["sync_ms_median"]["mean"], 1)]
             for r in results.values() if (a := r.get("aggregate"))]
     return markdown_table(header, rows)
+
+
+def plateau_step(curve: dict, share: float = 0.95) -> int | None:
+    """The first evaluated step at which the mean-over-seeds accuracy curve reaches `share` of
+    its own peak: where the algorithm's plateau starts."""
+    if not curve["mean"] or max(curve["mean"]) <= 0:
+        return None
+    peak = max(curve["mean"])
+    return next(step for step, acc in zip(curve["step"], curve["mean"]) if acc >= share * peak)
+
+
+def ranking_findings(results: dict) -> list[str]:
+    """The algorithms ordered by final held-out accuracy, and for each neighbour pair whether
+    the gap is larger than the spread over seeds (every seed of one above every seed of the
+    other) or not."""
+    ends = {r["label"]: [p["accuracy_end"] for p in r["per_seed"].values()] for r in results.values()
+            if len(r["per_seed"]) > 1}
+    if len(ends) < 2:
+        return []
+    order = sorted(ends, key=lambda k: -statistics.fmean(ends[k]))
+    pairs = [f"{a} {'>' if min(ends[a]) > max(ends[b]) else '≈'} {b}" for a, b in zip(order, order[1:])]
+    separated = sum(min(ends[a]) > max(ends[b]) for a, b in zip(order, order[1:]))
+    return [f"Ranked by final held-out accuracy: {', '.join(pairs)} ('>': every seed of the first ends above every "
+            f"seed of the second; '≈': their seeds overlap). {separated} of {len(pairs)} neighbouring gaps are larger "
+            f"than the spread over {min(len(v) for v in ends.values())} seeds."]
+
+
+def ranking_md(results: dict, s: dict) -> list[str]:
+    """Steps to the plateau of each algorithm and the ranking, for a task meant to separate them."""
+    if "task" not in s:
+        return []
+    rows = [[r["label"], _ms(a, "accuracy_end"), _ms(a, "accuracy_peak"),
+             fmt(plateau_step(a["curves"]["accuracy_vs_step"]), 0)]
+            for r in results.values() if (a := r.get("aggregate"))]
+    table = markdown_table(["algorithm", "held-out acc. end", "peak", "steps to its plateau"], rows)
+    return [table, "'Steps to its plateau': the first evaluated step at which the mean over seeds reaches 95% of "
+            "its own peak.\n", *(f"- {line}\n" for line in ranking_findings(results))]
 
 
 def engines_md(e: dict) -> str:
@@ -675,6 +718,7 @@ def plot_lecture(task_rows: dict[str, list[dict]], path, target: float = TARGET)
 def write_report(data: dict, out: Path) -> str:
     """report.md and the three plots from results.json's numbers alone; returns the report."""
     s, main = data["settings"], {c.name: data["runs"][c.name] for c in ALGORITHMS if c.name in data["runs"]}
+    target, task = s.get("target", TARGET), s.get("task", TASK)
     reused = (f"; {data['reused']} results were reused from an earlier run of the same command "
               f"({data['process_s'] / 60:.1f} min of process time in all)" if data["reused"] else "")
     parts = [f"## Results ({data['mode']} mode)\n",
@@ -682,15 +726,16 @@ def write_report(data: dict, out: Path) -> str:
     curves = {r["label"]: r["aggregate"]["curves"] for r in main.values() if r.get("aggregate")}
     if curves:
         band = "band: min-max over seeds" if len(s["seeds"]) > 1 else "one seed"
-        plot_curves(curves, out / "curves.png", f"{len(curves)} algorithms, {s['steps']} steps of "
+        plot_curves(curves, out / "curves.png", f"{len(curves)} algorithms on {task}, {s['steps']} steps of "
                     f"{s['prompts_per_step']} prompts x {s['completions_per_prompt']} completions, seeds {s['seeds']} "
-                    f"({band})")
+                    f"({band})", target)
         plot_time_breakdown(main, out / "time_breakdown.png")
-        parts += ["### The algorithms, one task, the same budget\n", comparison_table(main),
+        parts += [f"### The algorithms on `{task}`, the same budget\n", comparison_table(main, target),
                   f"Budget, the same for every script: `{' '.join(budget_flags(s))}`, seeds {s['seeds']}; every other "
                   f"hyperparameter is the script's default. Mean ± std over seeds. Training time is the sum of the "
-                  f"steps' times (no start-up, no held-out evaluation); 'steps to {TARGET:g}' is the first evaluated "
-                  f"step (every {s['eval_every']}) with held-out greedy accuracy >= {TARGET:g}.\n",
+                  f"steps' times (no start-up, no held-out evaluation); 'steps to {target:g}' is the first evaluated "
+                  f"step (every {s['eval_every']}) with held-out greedy accuracy >= {target:g}.\n",
+                  *ranking_md(main, s),
                   "![held-out accuracy and mean reward against step and training time](curves.png)\n",
                   "### Where a training step's time goes\n", time_table(main),
                   "Share of the summed step time (`time/<part>` / `time/step` in metrics.jsonl), mean over seeds; "
@@ -700,7 +745,7 @@ def write_report(data: dict, out: Path) -> str:
     engines = [e for e in (data.get("rollout_engines"), data.get("rollout_engines_smollm2")) if e]
     if engines:
         parts += ["### Rollout engine: vLLM against transformers `generate`\n", *map(engines_md, engines)]
-    if data.get("gradient_variance") or data["runs"]:
+    if data.get("gradient_variance") or "lecture_estimators" in s:
         parts += ["### The policy-gradient lecture's claim: baselines and gradient variance\n", lecture_md(data)]
         plot_lecture({t: lecture_rows(data, t) for t in (TASK, LECTURE_TASK)}, out / "lecture.png")
         parts.append("![learning curves and gradient variance of the four estimators, one row per task](lecture.png)\n")
@@ -724,14 +769,17 @@ def update_readme(readme: Path, report: str, out: Path) -> None:
 
 def measure(mode: str, out: Path, force: bool, env: dict) -> dict:
     """Run (or reuse) every part and every run; returns what results.json holds."""
-    s, t0, runs_dir = MODES[mode], time.perf_counter(), out / "runs"
-    parts = {"rollout_engines": run_part("rollout_engines", "rollout_engines.py", s["engines"], runs_dir, force)}
+    s, t0, runs_dir, parts = MODES[mode], time.perf_counter(), out / "runs", {}
+    if "engines" in s:
+        parts["rollout_engines"] = run_part("rollout_engines", "rollout_engines.py", s["engines"], runs_dir, force)
     if "engines_smollm2" in s:
         parts["rollout_engines_smollm2"] = run_part("rollout_engines_smollm2", "rollout_engines.py",
                                                     s["engines_smollm2"], runs_dir, force)
-    parts["gradient_variance"] = run_part("gradient_variance", "gradient_variance.py",
-                                          [*s["variance"], "--task", TASK, LECTURE_TASK], runs_dir, force)
-    configs = ALGORITHMS + [NO_BASELINE] + lecture_configs(s["lecture_estimators"])
+    if "variance" in s:
+        parts["gradient_variance"] = run_part("gradient_variance", "gradient_variance.py",
+                                              [*s["variance"], "--task", TASK, LECTURE_TASK], runs_dir, force)
+    lecture = [NO_BASELINE] + lecture_configs(s["lecture_estimators"]) if "lecture_estimators" in s else []
+    configs = ALGORITHMS + lecture
     budget = budget_flags(s)
     folders = {(c.name, seed): runs_dir / c.name / f"seed{seed}" for c in configs for seed in s["seeds"]}
     runs = [Run(f"{c.name} seed {seed}", folders[c.name, seed],
@@ -744,7 +792,7 @@ def measure(mode: str, out: Path, force: bool, env: dict) -> dict:
             "settings": {k: v for k, v in s.items() if k not in ("engines", "engines_smollm2", "variance")},
             "reused": sum(bool(d.get("reused")) for d in done),
             "process_s": sum(d.get("process_wall_s", d.get("wall_s", 0.0)) for d in done),
-            "runs": collect(configs, s["seeds"], runs_dir), **parts}
+            "runs": collect(configs, s["seeds"], runs_dir, s.get("target", TARGET)), **parts}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -161,6 +161,21 @@ def test_findings_are_generated_from_the_numbers():
                                "4 for R = 0.")
 
 
+def test_plateau_and_ranking_by_hand():
+    curve = {"step": [0, 5, 10, 15, 20], "mean": [0.1, 0.3, 0.58, 0.6, 0.59]}
+    assert bench.plateau_step(curve) == 10  # 0.58 >= 0.95 * 0.6
+    assert bench.plateau_step({"step": [0, 5], "mean": [0.0, 0.0]}) is None
+
+    def result(label, ends):
+        return {"label": label, "aggregate": {}, "per_seed": {i: {"accuracy_end": e} for i, e in enumerate(ends)}}
+
+    results = {"a": result("A", [0.5, 0.55, 0.6]), "b": result("B", [0.2, 0.3, 0.45]),
+               "c": result("C", [0.4, 0.25, 0.35])}
+    assert bench.ranking_findings(results) == [
+        "Ranked by final held-out accuracy: A > C, C ≈ B ('>': every seed of the first ends above every seed of the "
+        "second; '≈': their seeds overlap). 1 of 2 neighbouring gaps are larger than the spread over 3 seeds."]
+
+
 def test_estimators_use_the_scripts_advantages():
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
     mask = torch.ones(8, 2)
@@ -354,3 +369,20 @@ def test_quick_mode_end_to_end(tmp_path):
     r = run_benchmark(out, "--report-only")
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert (out / "report.md").read_text() == report
+
+
+def test_step_time_medians_of_steady_steps_by_hand():
+    from benchmarks import step_time
+
+    steps = [{"step": 1, "time/step": 9.0, "time/train": 5.0, "response/length_mean": 10.0},
+             {"step": 2, "time/step": 2.0, "time/train": 1.0, "response/length_mean": 20.0},
+             {"step": 3, "time/step": 4.0, "time/train": 3.0, "response/length_mean": 30.0},
+             {"step": 4, "time/step": 3.0, "time/train": 2.0, "response/length_mean": 40.0}]
+    assert step_time.steady(steps) == {"time/step": 3.0, "time/train": 2.0, "response/length_mean": 30.0}
+    runs = {"old": [{"time/step": 6.0, "time/train": 4.0, "response/length_mean": 30.0}],
+            "new": [{"time/step": 4.0, "time/train": 2.0, "response/length_mean": 30.0},
+                    {"time/step": 2.0, "time/train": 1.0, "response/length_mean": 30.0}]}
+    lines = step_time.table(["old", "new"], runs).splitlines()
+    assert lines[0] == "| revision | runs | step (s) | train (s) | mean completion (tokens) | speed-up |"
+    assert lines[2] == "| `old` | 1 | 6.0 | 4.0 | 30.0 | 1.00x |"
+    assert lines[3] == "| `new` | 2 | 3.0 | 1.5 | 30.0 | 2.00x |"
