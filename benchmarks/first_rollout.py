@@ -1,0 +1,41 @@
+"""Why a run's first sampled rollout is slow: times the engine's greedy call, then three
+sampled rollouts (32 prompts x 8 completions, 12 tokens, log-probs on, as the scripts ask).
+
+    .venv/bin/python benchmarks/first_rollout.py
+    TORCHDYNAMO_DISABLE=1 .venv/bin/python benchmarks/first_rollout.py   # vLLM's compiled helpers run eagerly
+
+The first sampled call compiles vLLM's two torch.compile'd sampling helpers (inductor); with
+torch.compile disabled it does not, and every later call pays for the eager versions instead.
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from vllm import SamplingParams  # noqa: E402
+
+from common.models import create_engine, encode_prompts, load_tokenizer  # noqa: E402
+
+
+def main() -> None:
+    model = str(ROOT / "models" / "tiny-sort")
+    tokenizer = load_tokenizer(model)
+    llm = create_engine(model, seed=0, max_model_len=64)
+    prompts = [{"prompt_token_ids": p} for p in encode_prompts(tokenizer, [f"sort {i}52813:" for i in range(32)])]
+    t0 = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    print(f"greedy: {time.perf_counter() - t0:.2f} s")
+    for i in range(3):
+        t0 = time.perf_counter()
+        llm.generate(prompts, SamplingParams(n=8, temperature=1.0, max_tokens=12, logprobs=0), use_tqdm=False)
+        print(f"sampled rollout {i + 1}: {time.perf_counter() - t0:.2f} s")
+
+
+if __name__ == "__main__":
+    main()
