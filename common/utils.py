@@ -51,7 +51,7 @@ def parse_args(Args, argv: list[str] | None = None):
     checkpoint = find_checkpoint(args.resume)
     saved = saved_args(Args, checkpoint)
     # a repeatable flag (--reward) given again replaces its saved value instead of adding to it
-    given = set(argv if argv is not None else sys.argv[1:])
+    given = [a.split("=", 1)[0] for a in (argv if argv is not None else sys.argv[1:])]  # --reward=X too
     saved = dataclasses.replace(saved, **{name: () for name in appended_fields(Args)
                                           if f"--{name.replace('_', '-')}" in given})
     args = tyro.cli(Args, args=argv, default=saved)

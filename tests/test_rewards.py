@@ -128,7 +128,7 @@ def test_repeated_flag_on_resume_replaces_the_saved_terms(tmp_path, in_root):
     args = parse_args(grpo.Args, ["--resume", checkpoint])
     assert args.reward == (CORRECT, f"{SAME_DIGITS}:0.5")
     # the same command line again is the same run, not four terms
-    args = parse_args(grpo.Args, ["--resume", checkpoint, "--reward", CORRECT, "--reward", f"{SAME_DIGITS}:0.5"])
+    args = parse_args(grpo.Args, ["--resume", checkpoint, f"--reward={CORRECT}", f"--reward={SAME_DIGITS}:0.5"])
     assert args.reward == (CORRECT, f"{SAME_DIGITS}:0.5")
     with pytest.raises(ConfigError, match="--reward"):
         parse_args(grpo.Args, ["--resume", checkpoint, "--reward", CORRECT])
