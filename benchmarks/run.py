@@ -93,7 +93,7 @@ MODES = {
     # than any of the tiny model's demonstrations (3 to 8); only the comparison runs. 16 new tokens: the
     # longest answer (11 digits and EOS) stays clear of dapo.py's overlong penalty (its last 3 tokens)
     "hard": dict(seeds=[0, 1, 2], steps=100, prompts_per_step=32, completions_per_prompt=8, eval_every=5,
-                 jobs=1, task="sort:9-11", max_new_tokens=16, target=0.5),
+                 jobs=2, task="sort:9-11", max_new_tokens=16, target=0.5),
 }
 TARGET = 0.8  # held-out accuracy for "steps / time to target"
 TIME_PARTS = ["rollout", "logprobs", "train", "sync"]
