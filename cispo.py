@@ -33,6 +33,7 @@ import tyro
 from tqdm import tqdm
 from vllm import SamplingParams
 
+from common import dist
 from common.errors import RunError, need
 from common.models import (awake, check_model, create_engine, encode_prompts, load_policy, load_reference,
                            load_tokenizer, stop_token_ids, sync_weights)
@@ -188,6 +189,7 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, vllm_is_weigh
 
 def main(args: Args) -> None:
     # ---------------------------------------------------------------- setup
+    device = dist.init()  # under torchrun: the ranks' process group, before vLLM exists (see common/dist.py)
     config = check_model(args.model)
     task = load_task(args.task, seed=args.seed)
     reward_fn = load_reward(args.reward, task)  # checked on a probe, before anything heavy
@@ -205,41 +207,38 @@ def main(args: Args) -> None:
     need(args.lora_rank >= 0 and args.lora_alpha > 0, f"--lora-rank must be >= 0 and --lora-alpha > 0, got "
          f"{args.lora_rank} and {args.lora_alpha}")
     run = Run(args)  # the run folder (new, or the resumed run's), checked before anything heavy
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     bf16 = args.precision == "bf16" or (args.precision == "auto" and device == "cuda")
     autocast_dtype = torch.bfloat16 if bf16 else None
     frozen_dtype = "bfloat16" if bf16 else args.dtype  # forward-only models: half the memory
     vllm_is_cap = args.vllm_is_cap if args.vllm_is_cap is not None else (2.0 if bf16 else 0.0)
 
-    llm = create_engine(args.model, seed=args.seed, max_model_len=max_prompt_len + args.max_new_tokens,
+    llm = create_engine(args.model, seed=args.seed + dist.rank(), max_model_len=max_prompt_len + args.max_new_tokens,
                         dtype="bfloat16" if bf16 else "float32",
                         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                         cpu_kv_cache_gib=args.vllm_cpu_kv_cache_gib, sleep_mode=args.vllm_sleep)
     seed_everything(args.seed)  # after the engine: in-process vLLM reseeds the global RNGs
-    policy = load_policy(args.model, tokenizer, args.dtype, device, args.gradient_checkpointing, args.lora_rank,
-                         args.lora_alpha, args.lora_target_modules, args.resume and os.path.join(args.resume, "policy"))
+    policy = dist.shard(load_policy(args.model, tokenizer, args.dtype, device, args.gradient_checkpointing,
+                                    args.lora_rank, args.lora_alpha, args.lora_target_modules,
+                                    args.resume and os.path.join(args.resume, "policy")))
     # the reference is the initial model, also when resuming (unless refreshed, see ref_update_every;
     # under LoRA: the policy with its adapters off)
-    ref_model = load_reference(args.model, tokenizer, frozen_dtype, device, policy) if args.kl_coef > 0 else None
+    ref_path = args.resume and args.ref_update_every and os.path.join(args.resume, "reference") or args.model
+    ref_model = dist.shard(load_reference(ref_path, tokenizer, frozen_dtype, device, policy)) if args.kl_coef > 0 \
+        else None
+    models = {"policy": policy, **({"reference": ref_model} if ref_model is not None and args.ref_update_every else {})}
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr,
                                   weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     prompt_sampler = torch.Generator().manual_seed(args.seed)
     if args.resume:
-        state = run.load_checkpoint()
-        optimizer.load_state_dict(state["optimizer"])
+        state = run.load_checkpoint(models, optimizer)
         scheduler.load_state_dict(state["scheduler"])
         prompt_sampler.set_state(state["prompt_sampler"])
-        if ref_model is not None and "ref_model" in state:
-            ref_model.load_state_dict(state["ref_model"])
     sync_weights(llm, policy)  # vLLM loaded args.model; after --resume the policy differs
 
     def checkpoint(step: int) -> str:
-        state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                 "prompt_sampler": prompt_sampler.get_state()}
-        if ref_model is not None and args.ref_update_every:
-            state["ref_model"] = ref_model.state_dict()
-        return run.save_checkpoint(step, {"policy": policy}, tokenizer, state)
+        state = {"scheduler": scheduler.state_dict(), "prompt_sampler": prompt_sampler.get_state()}
+        return run.save_checkpoint(step, models, tokenizer, state, optimizer)
 
     print(f"{args.exp_name}: {args.model} on {args.task} ({device}), {args.steps} steps of "
           f"{args.prompts_per_step} prompts x {args.completions_per_prompt} completions -> {run.dir}")
@@ -250,9 +249,10 @@ def main(args: Args) -> None:
     sampling_params = SamplingParams(n=args.completions_per_prompt, temperature=args.temperature,
                                      max_tokens=args.max_new_tokens, logprobs=0,
                                      stop_token_ids=stop_token_ids(tokenizer))
-    G, B = args.completions_per_prompt, args.prompts_per_step * args.completions_per_prompt
+    G, B = args.completions_per_prompt, args.prompts_per_step // dist.world_size() * args.completions_per_prompt
     metrics, eval_metrics = {}, first_eval
-    progress = tqdm(range(run.start_step, args.steps), initial=run.start_step, total=args.steps, desc=args.exp_name)
+    progress = tqdm(range(run.start_step, args.steps), initial=run.start_step, total=args.steps, desc=args.exp_name,
+                    disable=not dist.is_main())
     with GracefulInterrupt() as interrupt:
         for step in progress:
             times = {}
@@ -260,7 +260,7 @@ def main(args: Args) -> None:
             # ---------------------------------------------------------------- 1. rollout
             with timed(times, "rollout"):
                 idx = torch.randint(len(task.train), (args.prompts_per_step,), generator=prompt_sampler).tolist()
-                examples = [task.train[i] for i in idx]
+                examples = dist.share([task.train[i] for i in idx])  # this rank's prompts: B = len(examples) * G
                 prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in examples], args.chat_template,
                                             args.system_prompt)
                 with awake(llm):  # with sleep mode (CUDA), vLLM's memory is freed again after the rollout
@@ -304,7 +304,8 @@ def main(args: Args) -> None:
                 step_stats = defaultdict(list)
                 for epoch in range(args.num_epochs):
                     for mb in torch.randperm(B, device=device).split(B // args.num_minibatches):
-                        num_tokens, num_seqs, mb_loss = loss_mask[mb].sum(), len(mb), 0.0
+                        num_tokens, num_seqs = dist.minibatch_totals(loss_mask[mb])  # over all ranks
+                        mb_loss = 0.0
                         # micro-batches of similar length, each cut to its longest row: [micro, :c] lines up
                         for micro, cols, c in micro_batches(mb, attention_mask, C, args.micro_batch_size):
                             with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
@@ -359,6 +360,7 @@ def main(args: Args) -> None:
             if ref_logprobs is not None:
                 log_ref_ratio = ref_logprobs - old_logprobs
                 metrics["kl/ref"] = masked_mean(torch.exp(log_ref_ratio) - log_ref_ratio - 1, completion_mask)
+            metrics = dist.mean_over_ranks(metrics)
             if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.steps:
                 eval_metrics = evaluate(llm, tokenizer, task, args.max_new_tokens, args.chat_template, args.system_prompt)
                 metrics.update(eval_metrics)
@@ -368,9 +370,10 @@ def main(args: Args) -> None:
             progress.set_postfix(reward=f"{float(metrics['reward/mean']):.3f}",
                                  eval_acc=f"{eval_metrics['eval/accuracy']:.3f}",
                                  kl=f"{float(metrics.get('kl/ref', 0.0)):.4f}")
-            if (args.save_every and (step + 1) % args.save_every == 0) or interrupt.requested:
+            stop = interrupt.stop()  # under torchrun every rank stops after the same step
+            if (args.save_every and (step + 1) % args.save_every == 0) or stop:
                 path = checkpoint(step + 1)
-                if interrupt.requested:
+                if stop:
                     print(f"saved checkpoint {path}; continue with --resume {path}")
                     run.close()
                     sys.exit(interrupt.exit_code)  # 130 (Ctrl-C), 143 (SIGTERM): not a finished run

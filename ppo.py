@@ -45,6 +45,7 @@ from vllm import SamplingParams
 
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from common import dist
 from common.errors import RunError, need
 from common.models import (awake, check_model, create_engine, encode_prompts, freeze, load_policy, load_pretrained,
                            load_reference, load_tokenizer, resolve_model, stop_token_ids, sync_weights)
@@ -203,7 +204,9 @@ def load_critic(name_or_path: str, tokenizer, dtype: str, device: str, gradient_
 
 def forward_values(critic, input_ids, attention_mask, num_completion_tokens: int):
     """V_t for each completion token t: the value of the state (x, y_<t) before it is emitted,
-    read at the same columns whose logits score y_t (P-1 .. P+C-2). [B, C]."""
+    read at the same columns whose logits score y_t (P-1 .. P+C-2). [B, C]. The body and the
+    head are called one after the other (the model's own forward pools a single value per
+    sequence), so under FSDP each is a unit of its own (dist.shard's called_alone)."""
     C = num_completion_tokens
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     hidden = critic.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -258,9 +261,9 @@ def compute_advantages(token_rewards, values, mask, gamma: float, lam: float):
 
 
 def whiten(values, mask, eps: float = 1e-8):
-    """(v - mean) / std over the masked entries (the batch's completion tokens); 0 elsewhere."""
-    mean = masked_mean(values, mask)
-    var = masked_mean((values - mean) ** 2, mask)
+    """(v - mean) / std over the masked entries (the batch's completion tokens, on all ranks); 0 elsewhere."""
+    mean = dist.global_masked_mean(values, mask)
+    var = dist.global_masked_mean((values - mean) ** 2, mask)
     return (values - mean) * torch.rsqrt(var + eps) * mask
 
 
@@ -299,6 +302,7 @@ def compute_loss(logprobs, old_logprobs, advantages, values, old_values, returns
 
 def main(args: Args) -> None:
     # ---------------------------------------------------------------- setup
+    device = dist.init()  # under torchrun: the ranks' process group, before vLLM exists (see common/dist.py)
     config = check_model(args.model)
     task = load_task(args.task, seed=args.seed)
     reward_fn = load_reward(args.reward, task)  # checked on a probe, before anything heavy
@@ -326,23 +330,25 @@ def main(args: Args) -> None:
     need(args.lora_rank >= 0 and args.lora_alpha > 0, f"--lora-rank must be >= 0 and --lora-alpha > 0, got "
          f"{args.lora_rank} and {args.lora_alpha}")
     run = Run(args)  # the run folder (new, or the resumed run's), checked before anything heavy
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     bf16 = args.precision == "bf16" or (args.precision == "auto" and device == "cuda")
     autocast_dtype = torch.bfloat16 if bf16 else None
     frozen_dtype = "bfloat16" if bf16 else args.dtype  # forward-only models: half the memory
     vllm_is_cap = args.vllm_is_cap if args.vllm_is_cap is not None else (2.0 if bf16 else 0.0)
 
-    llm = create_engine(args.model, seed=args.seed, max_model_len=max_prompt_len + args.max_new_tokens,
+    llm = create_engine(args.model, seed=args.seed + dist.rank(), max_model_len=max_prompt_len + args.max_new_tokens,
                         dtype="bfloat16" if bf16 else "float32",
                         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                         cpu_kv_cache_gib=args.vllm_cpu_kv_cache_gib, sleep_mode=args.vllm_sleep)
     seed_everything(args.seed)  # after the engine: in-process vLLM reseeds the global RNGs
-    policy = load_policy(args.model, tokenizer, args.dtype, device, args.gradient_checkpointing, args.lora_rank,
-                         args.lora_alpha, args.lora_target_modules, args.resume and os.path.join(args.resume, "policy"))
+    policy = dist.shard(load_policy(args.model, tokenizer, args.dtype, device, args.gradient_checkpointing,
+                                    args.lora_rank, args.lora_alpha, args.lora_target_modules,
+                                    args.resume and os.path.join(args.resume, "policy")))
     # the reference is the initial model, also when resuming (under LoRA: the policy, adapters off)
-    ref_model = load_reference(args.model, tokenizer, frozen_dtype, device, policy) if args.kl_coef > 0 else None
+    ref_model = dist.shard(load_reference(args.model, tokenizer, frozen_dtype, device, policy)) if args.kl_coef > 0 \
+        else None
     critic = load_critic(args.resume and os.path.join(args.resume, "critic") or args.critic_model or args.model,
                          tokenizer, args.dtype, device, args.gradient_checkpointing)
+    critic = dist.shard(critic, called_alone=(critic.base_model, critic.score))  # see forward_values
     reward_model = rm_tokenizer = None
     if args.reward_model is not None:
         reward_model = freeze(load_pretrained(AutoModelForSequenceClassification, args.reward_model, frozen_dtype,
@@ -357,17 +363,15 @@ def main(args: Args) -> None:
     prompt_sampler = torch.Generator().manual_seed(args.seed)
     kl_coef = args.kl_coef
     if args.resume:
-        state = run.load_checkpoint()
-        optimizer.load_state_dict(state["optimizer"])
+        state = run.load_checkpoint({"policy": policy, "critic": critic}, optimizer)
         scheduler.load_state_dict(state["scheduler"])
         prompt_sampler.set_state(state["prompt_sampler"])
         kl_coef = state["kl_coef"]
     sync_weights(llm, policy)  # vLLM loaded args.model; after --resume the policy differs
 
     def checkpoint(step: int) -> str:
-        state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                 "prompt_sampler": prompt_sampler.get_state(), "kl_coef": kl_coef}
-        return run.save_checkpoint(step, {"policy": policy, "critic": critic}, tokenizer, state)
+        state = {"scheduler": scheduler.state_dict(), "prompt_sampler": prompt_sampler.get_state(), "kl_coef": kl_coef}
+        return run.save_checkpoint(step, {"policy": policy, "critic": critic}, tokenizer, state, optimizer)
 
     print(f"{args.exp_name}: {args.model} on {args.task} ({device}), {args.steps} steps of "
           f"{args.prompts_per_step} prompts x {args.completions_per_prompt} completions -> {run.dir}")
@@ -378,9 +382,10 @@ def main(args: Args) -> None:
     sampling_params = SamplingParams(n=args.completions_per_prompt, temperature=args.temperature,
                                      max_tokens=args.max_new_tokens, logprobs=0,
                                      stop_token_ids=stop_token_ids(tokenizer))
-    G, B = args.completions_per_prompt, args.prompts_per_step * args.completions_per_prompt
+    G, B = args.completions_per_prompt, args.prompts_per_step // dist.world_size() * args.completions_per_prompt
     metrics, eval_metrics = {}, first_eval
-    progress = tqdm(range(run.start_step, args.steps), initial=run.start_step, total=args.steps, desc=args.exp_name)
+    progress = tqdm(range(run.start_step, args.steps), initial=run.start_step, total=args.steps, desc=args.exp_name,
+                    disable=not dist.is_main())
     with GracefulInterrupt() as interrupt:
         for step in progress:
             times = {}
@@ -388,7 +393,7 @@ def main(args: Args) -> None:
             # ---------------------------------------------------------------- 1. rollout
             with timed(times, "rollout"):
                 idx = torch.randint(len(task.train), (args.prompts_per_step,), generator=prompt_sampler).tolist()
-                examples = [task.train[i] for i in idx]
+                examples = dist.share([task.train[i] for i in idx])  # this rank's prompts: B = len(examples) * G
                 prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in examples], args.chat_template,
                                             args.system_prompt)
                 with awake(llm):  # with sleep mode (CUDA), vLLM's memory is freed again after the rollout
@@ -447,7 +452,8 @@ def main(args: Args) -> None:
                 step_stats = defaultdict(list)
                 for epoch in range(args.num_epochs):
                     for mb in torch.randperm(B, device=device).split(B // args.num_minibatches):
-                        num_tokens, num_seqs, mb_loss = loss_mask[mb].sum(), len(mb), 0.0
+                        num_tokens, num_seqs = dist.minibatch_totals(loss_mask[mb])  # over all ranks
+                        mb_loss = 0.0
                         # micro-batches of similar length, each cut to its longest row: [micro, :c] lines up
                         for micro, cols, c in micro_batches(mb, attention_mask, C, args.micro_batch_size):
                             with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
@@ -501,10 +507,10 @@ def main(args: Args) -> None:
             if ref_logprobs is not None:
                 log_ref_ratio = ref_logprobs - old_logprobs
                 metrics["kl/ref"] = masked_mean(torch.exp(log_ref_ratio) - log_ref_ratio - 1, completion_mask)
-                kl_per_seq = (kl * loss_mask).sum(1).mean().item()
+                kl_per_seq = dist.global_mean((kl * loss_mask).sum(1)).item()  # over all ranks' sequences
                 metrics.update({"kl/token_mean": masked_mean(kl, loss_mask), "kl/seq_mean": kl_per_seq,
                                 "kl/coef": kl_coef})
-                kl_coef = update_kl_coef(kl_coef, kl_per_seq, B, args)
+                kl_coef = update_kl_coef(kl_coef, kl_per_seq, B * dist.world_size(), args)
             valid = loss_mask.bool()
             metrics.update({
                 "reward/score_mean": scores.mean(),  # the sequence score after the missing-EOS penalty
@@ -514,6 +520,7 @@ def main(args: Args) -> None:
                 "value/explained_variance": 1 - (returns - old_values)[valid].var()
                 / returns[valid].var().clamp(min=1e-8),
             })
+            metrics = dist.mean_over_ranks(metrics)
             if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.steps:
                 eval_metrics = evaluate(llm, tokenizer, task, args.max_new_tokens, args.chat_template, args.system_prompt)
                 metrics.update(eval_metrics)
@@ -523,9 +530,10 @@ def main(args: Args) -> None:
             progress.set_postfix(reward=f"{float(metrics['reward/mean']):.3f}",
                                  eval_acc=f"{eval_metrics['eval/accuracy']:.3f}",
                                  kl=f"{float(metrics.get('kl/ref', 0.0)):.4f}")
-            if (args.save_every and (step + 1) % args.save_every == 0) or interrupt.requested:
+            stop = interrupt.stop()  # under torchrun every rank stops after the same step
+            if (args.save_every and (step + 1) % args.save_every == 0) or stop:
                 path = checkpoint(step + 1)
-                if interrupt.requested:
+                if stop:
                     print(f"saved checkpoint {path}; continue with --resume {path}")
                     run.close()
                     sys.exit(interrupt.exit_code)  # 130 (Ctrl-C), 143 (SIGTERM): not a finished run

@@ -1,10 +1,12 @@
-"""The step time of one training command at two or more commits, measured side by side.
+"""The step time of one training command at two or more commits, or with 1 and N processes
+(torchrun), measured side by side.
 
     .venv/bin/python benchmarks/step_time.py --revs 4662adb HEAD --repeats 2 -- \\
         grpo.py --model smollm2 --task basic_arithmetic --steps 5 ...
+    .venv/bin/python benchmarks/step_time.py --revs HEAD --processes 1 2 --repeats 2 -- grpo.py --steps 20
 
 Each revision is checked out (git worktree) next to the others; the runs alternate between
-them (A B A B ...), so a machine that speeds up or slows down during the measurement touches
+the variants (revision x processes: A B A B ...), so a machine that speeds up or slows down during the measurement touches
 both alike. Of each run, the steady steps count (the first step, which warms caches, is left
 out): the median of time/step and of each part of it (time/rollout, time/logprobs, ...).
 Prints a markdown table and writes every run's numbers to --json.
@@ -33,12 +35,15 @@ def checkout(rev: str, parent: Path) -> Path:
     return path
 
 
-def run_once(tree: Path, command: list[str], out: Path) -> list[dict]:
-    """The command in that tree (its own --output-dir); the trained steps' metrics."""
+def run_once(tree: Path, command: list[str], out: Path, processes: int = 1) -> list[dict]:
+    """The command in that tree (its own --output-dir), under torchrun if processes > 1 (one
+    thread each); the trained steps' metrics."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
+    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--nproc-per-node", str(processes)]
+                                   if processes > 1 else [])
     log = out.with_suffix(".log")
     with open(log, "w") as f:
-        done = subprocess.run([sys.executable, *command, "--output-dir", str(out)], cwd=tree, env=env,
+        done = subprocess.run([*launcher, *command, "--output-dir", str(out)], cwd=tree, env=env,
                               stdout=f, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         raise SystemExit(f"error: {' '.join(command)} failed in {tree} (exit {done.returncode}); see {log}")
@@ -54,15 +59,15 @@ def steady(steps: list[dict]) -> dict:
         "response/length_mean": statistics.mean(m["response/length_mean"] for m in rest)}
 
 
-def table(revs: list[str], runs: dict[str, list[dict]]) -> str:
-    parts = [k for k in runs[revs[0]][0] if k.startswith("time/") and k != "time/step"]
-    head = ["revision", "runs", "step (s)", *[f"{p[5:]} (s)" for p in parts], "mean completion (tokens)", "speed-up"]
-    base = statistics.median(r["time/step"] for r in runs[revs[0]])
+def table(variants: list[str], runs: dict[str, list[dict]]) -> str:
+    parts = [k for k in runs[variants[0]][0] if k.startswith("time/") and k != "time/step"]
+    head = ["variant", "runs", "step (s)", *[f"{p[5:]} (s)" for p in parts], "mean completion (tokens)", "speed-up"]
+    base = statistics.median(r["time/step"] for r in runs[variants[0]])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for rev in revs:
-        rs = runs[rev]
+    for variant in variants:
+        rs = runs[variant]
         step = statistics.median(r["time/step"] for r in rs)
-        cells = [f"`{rev}`", str(len(rs)), f"{step:.1f}",
+        cells = [variant, str(len(rs)), f"{step:.2f}",
                  *[f"{statistics.median(r.get(p, 0.0) for r in rs):.1f}" for p in parts],
                  f"{statistics.mean(r['response/length_mean'] for r in rs):.1f}", f"{base / step:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -72,7 +77,9 @@ def table(revs: list[str], runs: dict[str, list[dict]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--revs", nargs="+", required=True, help="commits to compare; the first is the baseline")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each revision, alternating")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each variant, alternating")
+    parser.add_argument("--processes", type=int, nargs="+", default=[1],
+                        help="run the command with each of these process counts (torchrun when > 1)")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "step_time.json")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT FLAGS... (without --output-dir)")
     args = parser.parse_args(argv)
@@ -83,19 +90,21 @@ def main(argv: list[str] | None = None) -> int:
         trees = {rev: checkout(rev, Path(tmp)) for rev in args.revs}
         commits = {rev: subprocess.run(["git", "-C", str(t), "rev-parse", "--short", "HEAD"], capture_output=True,
                                        text=True, check=True).stdout.strip() for rev, t in trees.items()}
-        runs: dict[str, list[dict]] = {rev: [] for rev in args.revs}
+        variants = {f"`{rev}`" + (f", {n} process{'es' * (n > 1)}" if len(args.processes) > 1 else ""): (rev, n)
+                    for rev in args.revs for n in args.processes}
+        runs: dict[str, list[dict]] = {v: [] for v in variants}
         try:
             for i in range(args.repeats):
-                for rev in args.revs:
+                for variant, (rev, n) in variants.items():
                     t0 = time.time()
-                    result = steady(run_once(trees[rev], command, Path(tmp) / f"{commits[rev]}_{i}"))
-                    runs[rev].append(result)
-                    print(f"{rev} run {i + 1}: {result['time/step']:.1f} s a step ({time.time() - t0:.0f} s)",
+                    result = steady(run_once(trees[rev], command, Path(tmp) / f"{commits[rev]}_{n}_{i}", n))
+                    runs[variant].append(result)
+                    print(f"{variant} run {i + 1}: {result['time/step']:.2f} s a step ({time.time() - t0:.0f} s)",
                           flush=True)
         finally:
             for t in trees.values():
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(t)], capture_output=True)
-    report = table(args.revs, runs)
+    report = table(list(variants), runs)
     print(report)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.utils import logging as hf_logging
 
 from common import smollm2
+from common.dist import full_tensor, world_size
 from common.errors import ConfigError
 from common.hub import hub_reachable
 
@@ -212,13 +213,14 @@ def load_reference(name_or_path: str, tokenizer, dtype: str, device: str, policy
     return freeze(load_policy(name_or_path, tokenizer, dtype, device))
 
 
-def save_model(model, tokenizer, folder: str) -> None:
-    """A model folder transformers and vLLM load. Under LoRA: the merged weights (W + scale *
-    B A) there and the adapters in folder/adapter; the policy is merged in place (call last)."""
+def save_model(model, tokenizer, folder: str, state_dict: dict | None = None) -> None:
+    """A model folder transformers and vLLM load; state_dict: a sharded model's whole weights
+    (common.dist.full_state_dict). Under LoRA: the merged weights (W + scale * B A) there and
+    the adapters in folder/adapter; the policy is merged in place (call last)."""
     if is_lora(model):
         model.save_pretrained(os.path.join(folder, "adapter"))
         model = model.merge_and_unload()
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, state_dict=state_dict)
     tokenizer.save_pretrained(folder)
 
 
@@ -274,6 +276,10 @@ def create_engine(name_or_path: str, seed: int, max_model_len: int, dtype: str =
     from vllm import LLM
 
     kwargs = {} if on_cpu else {"gpu_memory_utilization": gpu_memory_utilization}
+    if world_size() > 1:
+        # under torchrun: an engine per rank, on the rank's own device (LOCAL_RANK), vLLM's groups made
+        # within the ranks' process group (the default in-process executor would put every engine on cuda:0)
+        kwargs["distributed_executor_backend"] = "external_launcher"
     enforce_eager = on_cpu if enforce_eager is None else enforce_eager
     before = memory_in_use()
     llm = LLM(model=resolve_model(name_or_path), seed=seed, dtype=dtype,
@@ -326,8 +332,8 @@ def merged_weights(model):
     """(name, tensor) of the weights vLLM holds, under the base model's names. Under LoRA
     each adapted weight is merged on the fly, W + scale * B A, and the trainer's own base
     weights stay as they are."""
-    if not is_lora(model):
-        yield from ((name, p.detach()) for name, p in model.named_parameters())
+    if not is_lora(model):  # under FSDP each weight is gathered whole in turn, never the whole model at once
+        yield from ((name, full_tensor(p.detach())) for name, p in model.named_parameters())
         return
     base = model.get_base_model()
     modules = dict(base.named_modules())

@@ -37,6 +37,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
+from common import dist
 from common.errors import ConfigError
 from common.hub import hub_reachable
 from common.models import awake, encode_prompts, stop_token_ids
@@ -469,7 +470,12 @@ def evaluate(llm, tokenizer, task, max_new_tokens: int, chat_template: bool = Tr
     """Greedy accuracy (reward >= 1) and mean reward on the task's eval split, through vLLM.
 
     Prompts are encoded and completions stopped as in training: pass the same
-    chat_template / system_prompt as to encode_prompts (stop tokens: stop_token_ids)."""
+    chat_template / system_prompt as to encode_prompts (stop tokens: stop_token_ids).
+    Under torchrun rank 0 evaluates (the numbers of one process) and every rank gets them."""
+    return dist.on_main(_evaluate, llm, tokenizer, task, max_new_tokens, chat_template, system_prompt)
+
+
+def _evaluate(llm, tokenizer, task, max_new_tokens: int, chat_template: bool, system_prompt: str | None) -> dict:
     from vllm import SamplingParams  # imported here: the tasks themselves need no vLLM
 
     prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in task.eval], chat_template, system_prompt)

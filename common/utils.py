@@ -1,6 +1,8 @@
-"""Plumbing shared by all six scripts and belonging to no algorithm: the run's arguments
+"""Plumbing shared by all the scripts and belonging to no algorithm: the run's arguments
 (checked, and restored on --resume), its folder (metrics, checkpoints, final model,
-summary), seeding, and stopping cleanly on Ctrl-C or SIGTERM."""
+summary), seeding, and stopping cleanly on Ctrl-C or SIGTERM. Under torchrun rank 0 writes
+the folder; checkpoints hold the optimizer state sharded (torch.distributed.checkpoint),
+written by every rank, in the same layout for one process and for N."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common import dist
 from common.curves import write_curves
 from common.errors import ConfigError, RunError, need
 from common.models import save_model
@@ -58,7 +61,7 @@ def parse_args(Args, argv: list[str] | None = None):
     args.resume = checkpoint  # --resume RUN_FOLDER means its latest checkpoint
     check_resume(args)
     for name in RESUMABLE_CHANGES:
-        if hasattr(args, name) and getattr(args, name) != getattr(saved, name):
+        if hasattr(args, name) and getattr(args, name) != getattr(saved, name) and dist.is_main():
             print(f"resume: --{name.replace('_', '-')} {getattr(saved, name)} -> {getattr(args, name)}")
     return args
 
@@ -98,11 +101,17 @@ def check_args(args, max_context: int, max_prompt_len: int, min_completions: int
         print(f"warning: --dtype bfloat16 keeps ~3 significant digits per weight, so AdamW steps of about "
               f"--lr {args.lr} are mostly rounded away; --dtype float32 (the default) keeps fp32 master "
               f"weights", file=sys.stderr)
+    world = dist.world_size()
+    need(world == 1 or not getattr(args, "lora_rank", 0), "--lora-rank is not supported with more than one process "
+                                                           "yet (LoRA under FSDP2): run it as one process")
+    need(args.prompts_per_step % world == 0, f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
+                                             f"number of processes ({world}): each takes an equal share of the prompts")
     if hasattr(args, "num_minibatches"):  # scripts that reuse a rollout batch for several updates
-        batch = args.prompts_per_step * args.completions_per_prompt
+        batch = args.prompts_per_step * args.completions_per_prompt // world
         need(args.num_minibatches > 0 and batch % args.num_minibatches == 0,
              f"--num-minibatches {args.num_minibatches} must divide the rollout batch "
-             f"(prompts_per_step x completions_per_prompt = {batch})")
+             f"(prompts_per_step x completions_per_prompt = {batch}" + (f", per process of {world})" if world > 1
+                                                                         else ")"))
         need(args.num_epochs > 0, f"--num-epochs must be positive, got {args.num_epochs}")
 
 
@@ -138,6 +147,9 @@ def find_checkpoint(path: str) -> str:
     need(os.path.isfile(os.path.join(path, "run.json")),
          f"--resume {path!r} was written by an older version of these scripts (no run.json): "
          f"its arguments are unknown, start a new run from its weights with --model {path}/policy")
+    need(os.path.isdir(os.path.join(path, "optimizer")),
+         f"--resume {path!r} was written by an older version of these scripts (no optimizer/ folder): "
+         f"start a new run from its weights with --model {path}/policy")
     return path
 
 
@@ -237,24 +249,29 @@ class Run:
 
     def __init__(self, args):
         self.args, self.script = args, script_name(type(args))
-        self.start_step, self.accuracy_start, self.wall_time_before = 0, None, 0.0
-        if args.resume:
-            args.resume = find_checkpoint(args.resume)
-            check_resume(args)
-            info = read_run_info(args.resume)
-            self.start_step, self.accuracy_start = info["step"], info["accuracy_start"]
-            self.wall_time_before = info["wall_time_s"]
-            if forks(args):  # a new folder, whose metrics start after the checkpoint's step
-                self.dir = self._new_folder(args)
-                print(f"resume: continuing {args.resume} in a new run folder, {self.dir}")
-            else:
-                self.dir = run_folder_of(args.resume)
-                self._drop_after(self.start_step)
-        else:
-            self.dir = self._new_folder(args)
-        args.output_dir = self.dir  # args.json and checkpoints record where the run lives
         self.t_start = time.perf_counter()
-        self.logger = MetricsLogger(self.dir, args, self.start_step, args.tensorboard, args.track, args.wandb_project)
+        # rank 0 checks and writes the folder; the others learn where it is (or its error)
+        self.dir, self.start_step, self.accuracy_start, self.wall_time_before = dist.on_main(self._open, args)
+        args.output_dir = self.dir  # args.json and checkpoints record where the run lives
+        if not dist.is_main():
+            args.resume = args.resume and find_checkpoint(args.resume)
+        self.launch = {"world_size": dist.world_size(), "device": "cuda" if torch.cuda.is_available() else "cpu"}
+        self.logger = MetricsLogger(self.dir, args, self.start_step, args.tensorboard, args.track, args.wandb_project,
+                                    self.launch) if dist.is_main() else None
+
+    def _open(self, args):
+        if not args.resume:
+            return self._new_folder(args), 0, None, 0.0
+        args.resume = find_checkpoint(args.resume)
+        check_resume(args)
+        info = read_run_info(args.resume)
+        if forks(args):  # a new folder, whose metrics start after the checkpoint's step
+            folder = self._new_folder(args)
+            print(f"resume: continuing {args.resume} in a new run folder, {folder}")
+        else:
+            folder = run_folder_of(args.resume)
+            self._drop_after(folder, info["step"])
+        return folder, info["step"], info["accuracy_start"], info["wall_time_s"]
 
     def _new_folder(self, args) -> str:
         if args.output_dir is None:
@@ -289,13 +306,14 @@ class Run:
             raise ConfigError(f"--output-dir {path!r} is not usable: {e.strerror or e}") from None
         return path
 
-    def _drop_after(self, step: int) -> None:
+    @staticmethod
+    def _drop_after(folder: str, step: int) -> None:
         """Resuming from an earlier checkpoint abandons what the run wrote after it."""
-        later = [p for p in Path(self.dir, "checkpoints").glob("step_*")
+        later = [p for p in Path(folder, "checkpoints").glob("step_*")
                  if not p.name[5:].isdigit() or int(p.name[5:]) > step]
         for name in ("final", "final.tmp", "summary.json", "curves.png"):
-            if os.path.exists(os.path.join(self.dir, name)):
-                later.append(Path(self.dir, name))
+            if os.path.exists(os.path.join(folder, name)):
+                later.append(Path(folder, name))
         if later:
             print(f"resume: removing what the run wrote after step {step}: {', '.join(sorted(p.name for p in later))}")
         for p in later:
@@ -304,7 +322,8 @@ class Run:
     def log(self, step: int, metrics: dict) -> None:
         if step == 0 and "eval/accuracy" in metrics:
             self.accuracy_start = float(metrics["eval/accuracy"])
-        self.logger.log(step, metrics)
+        if self.logger is not None:  # rank 0
+            self.logger.log(step, metrics)
 
     def log_completions(self, step: int, prompts: list[str], completions: list[str], rewards, reward_parts: dict,
                         advantages) -> None:
@@ -312,7 +331,7 @@ class Run:
         the next prompt's) as records of completions.jsonl: prompt, completion, reward, each
         reward term and the advantage (per-token advantages: the first token's)."""
         n = min(self.args.log_completions, len(completions))
-        if n == 0:
+        if n == 0 or self.logger is None:  # rank 0's share: the batch's first prompts
             return
         G = len(completions) // len(prompts)
         advantages = advantages if advantages.dim() == 1 else advantages[:, 0]
@@ -324,43 +343,61 @@ class Run:
     def wall_time(self) -> float:
         return self.wall_time_before + time.perf_counter() - self.t_start
 
-    def save_checkpoint(self, step: int, models: dict, tokenizer, state: dict) -> str:
-        """checkpoints/step_N: each model in models (e.g. {"policy": policy}) as a
-        save_pretrained folder, trainer_state.pt (step, optimizer, scheduler, RNG, ...) and
-        run.json (script, arguments, step, start accuracy, wall time). Written atomically."""
+    def save_checkpoint(self, step: int, models: dict, tokenizer, state: dict, optimizer) -> str:
+        """checkpoints/step_N: each model in models (e.g. {"policy": policy}) as a save_pretrained
+        folder, optimizer/ (the optimizer's state, written by every rank, each its own shard:
+        torch.distributed.checkpoint), trainer_state.pt (step, scheduler, RNG, ...) and run.json
+        (script, arguments, step, start accuracy, wall time, world size). Written atomically."""
+        from torch.distributed.checkpoint import save as dcp_save
+
         path = os.path.join(self.dir, "checkpoints", f"step_{step}")
         info = {"script": self.script, "step": step, "accuracy_start": self.accuracy_start,
-                "wall_time_s": self.wall_time(), "args": dataclasses.asdict(self.args)}
-        with atomic_folder(path) as tmp:
-            for name, model in models.items():
-                model.save_pretrained(os.path.join(tmp, name))
-                tokenizer.save_pretrained(os.path.join(tmp, name))
-            torch.save({**state, "step": step, "rng": rng_state()}, os.path.join(tmp, "trainer_state.pt"))
-            write_json(os.path.join(tmp, "run.json"), info)
+                "wall_time_s": self.wall_time(), **self.launch, "args": dataclasses.asdict(self.args)}
+        weights = {name: dist.full_state_dict(model) for name, model in models.items()}  # whole on rank 0
+        optimizer_state = {"optimizer": dist.optimizer_state_dict(models, optimizer)}
+        with atomic_folder(path) if dist.is_main() else contextlib.nullcontext(path + ".tmp") as tmp:
+            dist.barrier()  # rank 0 made the folder
+            dcp_save(optimizer_state, checkpoint_id=os.path.join(tmp, "optimizer"))  # every rank writes its shard
+            if dist.is_main():
+                for name, model in models.items():
+                    model.save_pretrained(os.path.join(tmp, name), state_dict=weights[name])
+                    tokenizer.save_pretrained(os.path.join(tmp, name))
+                torch.save({**state, "step": step, "rng": rng_state()}, os.path.join(tmp, "trainer_state.pt"))
+                write_json(os.path.join(tmp, "run.json"), info)
+        dist.barrier()  # the checkpoint is complete for every rank
         return path
 
-    def load_checkpoint(self) -> dict:
-        """The resumed checkpoint's trainer state (models load from its folders); restores RNG."""
+    def load_checkpoint(self, models: dict, optimizer) -> dict:
+        """The resumed checkpoint's optimizer state into optimizer (resharded to this run's
+        world size), and its trainer state (models load from its folders); restores RNG."""
+        from torch.distributed.checkpoint import load as dcp_load
+
         state = torch.load(os.path.join(self.args.resume, "trainer_state.pt"), weights_only=False)
         set_rng_state(state["rng"])
+        optimizer_state = {"optimizer": dist.optimizer_state_dict(models, optimizer)}
+        dcp_load(optimizer_state, checkpoint_id=os.path.join(self.args.resume, "optimizer"))
+        dist.load_optimizer_state_dict(models, optimizer, optimizer_state["optimizer"])
         return state
 
     def finish(self, model, tokenizer, eval_metrics: dict) -> None:
         """final/ (a model folder, merged under LoRA, written atomically) and summary.json."""
         final_dir = os.path.join(self.dir, "final")
-        with atomic_folder(final_dir) as tmp:
-            save_model(model, tokenizer, tmp)
-        summary = {"eval/accuracy_start": self.accuracy_start, "eval/accuracy_end": eval_metrics["eval/accuracy"],
-                   "steps": self.args.steps, "wall_time_s": self.wall_time()}
-        write_json(os.path.join(self.dir, "summary.json"), summary)
+        weights = dist.full_state_dict(model)  # every rank takes part; whole on rank 0
+        if dist.is_main():
+            with atomic_folder(final_dir) as tmp:
+                save_model(model, tokenizer, tmp, weights)
+            summary = {"eval/accuracy_start": self.accuracy_start, "eval/accuracy_end": eval_metrics["eval/accuracy"],
+                       "steps": self.args.steps, "wall_time_s": self.wall_time(), **self.launch}
+            write_json(os.path.join(self.dir, "summary.json"), summary)
         self.close()
         start = "n/a" if self.accuracy_start is None else f"{self.accuracy_start:.3f}"
         print(f"done: held-out accuracy {start} -> {eval_metrics['eval/accuracy']:.3f}; final model in {final_dir}")
 
     def close(self) -> None:
         """Closes the logs and draws curves.png from metrics.jsonl (at the end and on Ctrl-C)."""
-        self.logger.close()
-        write_curves(self.dir)
+        if self.logger is not None:
+            self.logger.close()
+            write_curves(self.dir)
 
 
 def holds_progress(path: str) -> bool:
@@ -414,8 +451,10 @@ def no_space_left(error: BaseException, path: str) -> bool:
         return True
     if "No space left" in str(error):
         return True
+    from torch.distributed.checkpoint.api import CheckpointException  # wraps the optimizer's writers' errors
+
     try:
-        return isinstance(error, (OSError, RuntimeError)) and shutil.disk_usage(path).free < 2**20
+        return isinstance(error, (OSError, RuntimeError, CheckpointException)) and shutil.disk_usage(path).free < 2**20
     except OSError:
         return False
 
@@ -451,16 +490,17 @@ def open_until(path: str, step: int):
 
 class MetricsLogger:
     def __init__(self, output_dir: str, args, start_step: int = 0, tensorboard: bool = False,
-                 track: bool = False, wandb_project: str = "rl-lm"):
+                 track: bool = False, wandb_project: str = "rl-lm", launch: dict | None = None):
         """start_step > 0 (a resumed run) keeps the lines of metrics.jsonl up to that step
-        and drops those the interrupted run wrote after its checkpoint."""
+        and drops those the interrupted run wrote after its checkpoint. launch (world size,
+        device) is written into args.json beside the arguments: how the run was made."""
         self.file = open_until(os.path.join(output_dir, "metrics.jsonl"), start_step)
         self.completions_path = os.path.join(output_dir, "completions.jsonl")  # written from its first record
         self.completions = open_until(self.completions_path, start_step) if os.path.exists(self.completions_path) \
             else None
         self.tb = self.wandb = None
         config = dataclasses.asdict(args)
-        write_json(os.path.join(output_dir, "args.json"), config)
+        write_json(os.path.join(output_dir, "args.json"), {**config, **(launch or {})})
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
@@ -524,7 +564,17 @@ class GracefulInterrupt:
             raise KeyboardInterrupt
         self.requested, self.exit_code = True, 128 + signum
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        print(f"\n{name}: finishing this step, then saving a checkpoint (again to abort)", flush=True)
+        # stderr: under torchrun only rank 0's stdout is shown, and the signal may reach another rank
+        print(f"\n{name}: finishing this step, then saving a checkpoint (again to abort)", file=sys.stderr, flush=True)
+
+    def stop(self) -> bool:
+        """Whether to save and stop after this step. Every rank calls it once per step: under
+        torchrun a signal that reached one rank stops them all after the same step, with one
+        checkpoint, and the same exit code."""
+        if dist.world_size() > 1:
+            self.exit_code = int(dist.all_gather(torch.tensor([self.exit_code])).max())
+            self.requested = self.exit_code > 0
+        return self.requested
 
     def __exit__(self, *exc):
         for s, handler in self._previous.items():

@@ -13,6 +13,18 @@ import torch  # noqa: E402
 TINY_MODEL = str(ROOT / "models" / "tiny-sort")
 
 
+def read_optimizer_state(checkpoint) -> dict:
+    """A checkpoint's optimizer/ folder (torch.distributed.checkpoint, one shard per rank) as one
+    plain dict: {"state": {parameter name: {"step", "exp_avg", ...}}, "param_groups": [...]}."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as folder:
+        dcp_to_torch_save(Path(checkpoint) / "optimizer", Path(folder) / "optimizer.pt")
+        return torch.load(Path(folder) / "optimizer.pt", weights_only=False)["optimizer"]
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: learning runs and whole benchmark or real-model runs, minutes "
                                        "each (CI runs them; a quick loop: pytest -m 'not slow')")

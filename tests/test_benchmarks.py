@@ -383,6 +383,6 @@ def test_step_time_medians_of_steady_steps_by_hand():
             "new": [{"time/step": 4.0, "time/train": 2.0, "response/length_mean": 30.0},
                     {"time/step": 2.0, "time/train": 1.0, "response/length_mean": 30.0}]}
     lines = step_time.table(["old", "new"], runs).splitlines()
-    assert lines[0] == "| revision | runs | step (s) | train (s) | mean completion (tokens) | speed-up |"
-    assert lines[2] == "| `old` | 1 | 6.0 | 4.0 | 30.0 | 1.00x |"
-    assert lines[3] == "| `new` | 2 | 3.0 | 1.5 | 30.0 | 2.00x |"
+    assert lines[0] == "| variant | runs | step (s) | train (s) | mean completion (tokens) | speed-up |"
+    assert lines[2] == "| old | 1 | 6.00 | 4.0 | 30.0 | 1.00x |"
+    assert lines[3] == "| new | 2 | 3.00 | 1.5 | 30.0 | 2.00x |"

@@ -33,6 +33,7 @@ def fake_checkpoint(run_dir, step: int, script: str = "grpo.py", **flags) -> str
     path = run_dir / "checkpoints" / f"step_{step}"
     path.mkdir(parents=True)
     (path / "trainer_state.pt").write_bytes(b"")
+    (path / "optimizer").mkdir()
     info = {"script": script, "step": step, "accuracy_start": 0.25, "wall_time_s": 10.0, "args": vars(args)}
     (path / "run.json").write_text(json.dumps(info))
     return str(path)
@@ -93,6 +94,9 @@ def test_resume_finds_the_latest_checkpoint_of_a_run_folder_and_refuses_half_wri
         parse_args(grpo.Args, ["--resume", str(run / "checkpoints" / "step_99")])
     with pytest.raises(ConfigError, match="is not a checkpoint folder"):
         parse_args(grpo.Args, ["--resume", str(tmp_path)])
+    os.rmdir(os.path.join(latest, "optimizer"))  # before torch.distributed.checkpoint: state in trainer_state.pt
+    with pytest.raises(ConfigError, match=r"older version of these scripts \(no optimizer/ folder\)"):
+        parse_args(grpo.Args, ["--resume", latest])
     os.remove(os.path.join(latest, "run.json"))
     with pytest.raises(ConfigError, match="older version of these scripts"):
         parse_args(grpo.Args, ["--resume", latest])
@@ -161,17 +165,19 @@ def test_default_run_folder_name_does_not_nest_a_task_path(tmp_path, monkeypatch
 
 def test_a_full_disk_leaves_the_previous_checkpoint_and_says_so(tmp_path, tiny_policy, tokenizer, monkeypatch):
     run = Run(grpo.Args(output_dir=str(tmp_path / "run")))
-    first = run.save_checkpoint(2, {"policy": tiny_policy}, tokenizer, {"optimizer": {}})
+    optimizer = torch.optim.AdamW(tiny_policy.parameters())
+    first = run.save_checkpoint(2, {"policy": tiny_policy}, tokenizer, {}, optimizer)
 
-    def half_then_full(obj, path, *a, **k):
-        open(path, "wb").write(b"half")
+    def half_then_full(obj, path, *a, **k):  # torch.save: to a file, or a buffer (the optimizer's shards)
+        if isinstance(path, (str, os.PathLike)):
+            open(path, "wb").write(b"half")
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch, "save", half_then_full)
     with pytest.raises(RunError, match=r"^no space left on .* while saving .*checkpoints/step_4$"):
-        run.save_checkpoint(4, {"policy": tiny_policy}, tokenizer, {"optimizer": {}})
+        run.save_checkpoint(4, {"policy": tiny_policy}, tokenizer, {}, optimizer)
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["step_2"]  # no step_4.tmp
-    assert sorted(os.listdir(first)) == ["policy", "run.json", "trainer_state.pt"]
+    assert sorted(os.listdir(first)) == ["optimizer", "policy", "run.json", "trainer_state.pt"]
 
     # torch.save hides the errno ("iostream error"): a filesystem with no space left says it
     def iostream_error(obj, path, *a, **k):
@@ -180,11 +186,11 @@ def test_a_full_disk_leaves_the_previous_checkpoint_and_says_so(tmp_path, tiny_p
     monkeypatch.setattr(torch, "save", iostream_error)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: types.SimpleNamespace(free=0))
     with pytest.raises(RunError, match="no space left on"):
-        run.save_checkpoint(4, {"policy": tiny_policy}, tokenizer, {"optimizer": {}})
+        run.save_checkpoint(4, {"policy": tiny_policy}, tokenizer, {}, optimizer)
     # the same error with space to spare is not called a full disk: it stays the error it is
     monkeypatch.setattr(shutil, "disk_usage", lambda path: types.SimpleNamespace(free=2**40))
-    with pytest.raises(RuntimeError, match="iostream error") as error:
-        run.save_checkpoint(4, {"policy": tiny_policy}, tokenizer, {"optimizer": {}})
+    with pytest.raises(BaseException, match="iostream error") as error:  # as torch or its checkpoint writer says
+        run.save_checkpoint(4, {"policy": tiny_policy}, tokenizer, {}, optimizer)
     assert not isinstance(error.value, RunError)
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["step_2"]
     run.close()
@@ -250,7 +256,7 @@ def test_sigint_in_process_saves_and_exits_130(tmp_path, run_main, monkeypatch, 
         run_main("grpo.py", "--steps", "100", "--save-every", "0", "--output-dir", out, *SMALL)
     assert exit_info.value.code == 130
     assert os.listdir(out / "checkpoints") == ["step_2"]
-    assert "Ctrl-C: finishing this step" in capsys.readouterr().out
+    assert "Ctrl-C: finishing this step" in capsys.readouterr().err
     assert read_metrics(out)[-1]["step"] == 2 and not (out / "final").exists()
     assert (out / "curves.png").stat().st_size > 0  # the picture of the run so far
 

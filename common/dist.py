@@ -1,0 +1,203 @@
+"""More than one process: torchrun, FSDP2, and the few reductions that make N ranks compute
+the update one process computes on the same rollout batch.
+
+    python grpo.py ...                          one process: every function here is the identity
+    torchrun --nproc-per-node N grpo.py ...     N ranks, each a full copy of the loop with its own vLLM engine
+
+Each rank samples its own share of the step's prompts (whole groups, so group baselines need no
+communication: `share`), generates and scores them with its own engine, and trains on them. The
+policy is sharded with FSDP2 (`shard`). What mixes samples across the batch is global: the loss
+normalizers (`all_sum`), batch baselines and whitening (`all_sum` of sums and counts), and the
+gradient, which FSDP2 sums over ranks (divide factor 1: each rank's loss is already divided by
+the global counts, so the ranks' losses add up to the one-process loss). Metrics are averaged
+over ranks and logged once, by rank 0, which also evaluates and writes the run folder.
+
+The process group must exist before vLLM is created: an in-process engine otherwise makes
+torch.distributed a world of size 1 of its own.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as tdist
+
+
+def init() -> str:
+    """Join torchrun's process group (nccl on CUDA, gloo on CPU); returns the device. Without
+    torchrun (WORLD_SIZE unset or 1) nothing happens."""
+    cuda = torch.cuda.is_available()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not tdist.is_initialized():
+        if cuda:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # the rank's GPU, also for its vLLM engine
+        tdist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=30))
+        if tdist.get_rank() > 0:
+            sys.stdout = open(os.devnull, "w")  # rank 0 speaks for the job; errors (stderr) from every rank
+    return "cuda" if cuda else "cpu"
+
+
+def world_size() -> int:
+    # a one-process run's vLLM engine initializes torch.distributed as a world of size 1
+    return tdist.get_world_size() if tdist.is_initialized() else 1
+
+
+def rank() -> int:
+    # before init (parsing the arguments) torchrun's RANK says it
+    return tdist.get_rank() if tdist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def share(items: list) -> list:
+    """This rank's contiguous share of items (len(items) divisible by the world size); in rank
+    order the shares are items again, so N ranks see exactly one process's batch."""
+    n = len(items) // world_size()
+    return items[rank() * n:(rank() + 1) * n]
+
+
+def all_sum(x) -> torch.Tensor:
+    """x (a tensor or a number) summed over ranks, as a new float64 tensor on x's device: counts and sums
+    that normalize a loss or a baseline are the global ones."""
+    x = torch.as_tensor(x).detach().to(torch.float64).clone()
+    if world_size() > 1:
+        tdist.all_reduce(x)
+    return x
+
+
+def all_gather(x: torch.Tensor) -> torch.Tensor:
+    """The ranks' x concatenated in rank order (dim 0): the whole batch's values (e.g. rewards)."""
+    if world_size() == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(world_size())]
+    tdist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
+def minibatch_totals(loss_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(tokens, sequences) of a minibatch summed over ranks: the normalizers under which the
+    ranks' micro-batch losses add up to the loss of one process over the whole minibatch."""
+    totals = all_sum(torch.stack([loss_mask.sum().double(), torch.tensor(loss_mask.shape[0], dtype=torch.float64,
+                                                                          device=loss_mask.device)]))
+    return totals[0], int(totals[1])
+
+
+def global_mean(values: torch.Tensor) -> torch.Tensor:
+    """The mean of values over every rank's rows (a batch-mean baseline), in values' dtype."""
+    totals = all_sum(torch.stack([values.sum().double(), torch.tensor(values.numel(), dtype=torch.float64,
+                                                                       device=values.device)]))
+    return (totals[0] / totals[1]).to(values.dtype)
+
+
+def global_masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean of values over mask on every rank (whitening over the whole batch), in values' dtype."""
+    mask = mask.to(values.dtype)
+    totals = all_sum(torch.stack([(values * mask).sum().double(), mask.sum().double()]))
+    return (totals[0] / totals[1].clamp(min=1)).to(values.dtype)
+
+
+def all_gather_objects(items: list) -> list:
+    """The ranks' lists of picklable objects concatenated in rank order (DAPO's kept groups)."""
+    if world_size() == 1:
+        return items
+    lists = [None] * world_size()
+    tdist.all_gather_object(lists, items)
+    return [item for part in lists for item in part]
+
+
+def mean_over_ranks(metrics: dict) -> dict:
+    """Each metric averaged over ranks (equal shares: a mean over the batch is exact; std and
+    token-weighted means are the ranks' average). One reduction for all of them."""
+    if world_size() == 1:
+        return metrics
+    keys = sorted(metrics)
+    values = all_sum(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)) / world_size()
+    return dict(zip(keys, values.tolist()))
+
+
+def broadcast(obj):
+    """Rank 0's obj on every rank (any picklable object)."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    tdist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def on_main(fn, *args):
+    """fn(*args) on rank 0 only, its result on every rank; an error it raises is raised on every
+    rank (not a hang of the others at their next collective)."""
+    result, error = None, None
+    if is_main():
+        try:
+            result = fn(*args)
+        except Exception as e:
+            error = e
+    result, error = broadcast((result, error))
+    if error is not None:
+        raise error
+    return result
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        tdist.barrier()
+
+
+def shard(model: torch.nn.Module, called_alone: tuple = ()) -> torch.nn.Module:
+    """FSDP2 (fully_shard) over the ranks: each decoder layer is one unit, the rest (embeddings,
+    final norm, heads) the root's; the model is returned, sharded in place. Forward passes gather a
+    layer's weights just before it runs and free them after. Gradients are summed over ranks, not
+    averaged (see the module docstring). called_alone: submodules the caller runs directly rather
+    than through the model's forward (PPO's critic: its body and its value head), each a unit of
+    its own so that calling it gathers its weights. One process: the model as it is."""
+    if world_size() == 1 or not any(True for _ in model.parameters()):  # e.g. LoRA's reference: adapters off
+        return model
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in layer_classes:
+            fully_shard(module)
+    for module in called_alone:
+        fully_shard(module)
+    fully_shard(model)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # a sum over ranks, not a mean
+            module.set_force_sum_reduction_for_comms(True)  # as a plain SUM: gloo has no pre-scaled sum
+    return model
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) weight or gradient gathered whole on every rank; a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def full_state_dict(model: torch.nn.Module) -> dict | None:
+    """A sharded model's whole weights, gathered to rank 0's CPU (every rank takes part; the
+    others get {}), for save_pretrained(state_dict=...). One process: None (the model's own)."""
+    if world_size() == 1:
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def optimizer_state_dict(models: dict, optimizer) -> dict:
+    """The optimizer's state keyed by parameter names (models: {"policy": policy, ...}, the
+    modules whose parameters it updates), each rank holding its shards: what
+    torch.distributed.checkpoint saves, and loads into another world size by resharding."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(torch.nn.ModuleDict(models), optimizer)
+
+
+def load_optimizer_state_dict(models: dict, optimizer, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(torch.nn.ModuleDict(models), optimizer, state)

@@ -1,0 +1,139 @@
+"""More than one process: the scripts under `torchrun --nproc-per-node 2` (gloo, the tiny model,
+one vLLM CPU engine per rank), and the gradient of 2 processes against 1 on a fixed batch.
+
+The script runs share one launch (tests/dist_runner.py: one engine per rank for all of them),
+which is minutes on 2 cores; the tests below read what it left."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.conftest import ROOT, TINY_MODEL, read_optimizer_state
+from tests.test_grpo_e2e import STEP_METRICS, read_metrics
+from tests.test_runs import wait_for_steps
+
+pytestmark = pytest.mark.slow
+SMALL = ["--num-minibatches", "2", "--prompts-per-step", "4", "--completions-per-prompt", "4",
+         "--micro-batch-size", "3", "--max-new-tokens", "10", "--eval-every", "0"]
+OTHERS = ["reinforce.py", "rloo.py", "gspo.py", "cispo.py", "dapo.py"]  # one step each
+CASES = ["grpo:token-mean", "grpo:seq-mean-token-mean", "reinforce", "ppo"]
+
+
+def small(script: str) -> list[str]:
+    """SMALL, less --num-minibatches for the scripts that make one update per batch."""
+    return SMALL[2:] if script in ("reinforce.py", "rloo.py") else SMALL
+
+
+def torchrun(*args, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *map(str, args)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    """One torchrun launch of 2 processes: grpo and ppo 2 steps with checkpoints and a resume to
+    step 3, the other scripts 1 step, and a long grpo run that a SIGTERM to rank 1 alone stops."""
+    tmp = tmp_path_factory.mktemp("dist")
+    runs = [["grpo.py", "--steps", "2", "--save-every", "1", "--output-dir", tmp / "grpo", *SMALL],
+            ["grpo.py", "--steps", "3", "--resume", tmp / "grpo" / "checkpoints" / "step_1"],
+            ["ppo.py", "--steps", "2", "--save-every", "1", "--output-dir", tmp / "ppo", *SMALL],
+            ["ppo.py", "--steps", "3", "--resume", tmp / "ppo"],
+            *[[s, "--steps", "1", "--save-every", "0", "--output-dir", tmp / s[:-3], *small(s)] for s in OTHERS],
+            ["grpo.py", "--steps", "1000", "--save-every", "0", "--output-dir", tmp / "stopped", *SMALL]]
+    spec = tmp / "runs.json"
+    spec.write_text(json.dumps([[str(x) for x in run] for run in runs]))
+    proc = torchrun("tests/dist_runner.py", spec)
+    wait_for_steps(proc, tmp / "stopped", 1, timeout_s=1800)  # the long run's first step
+    os.kill(int((tmp / "pid_1").read_text()), signal.SIGTERM)  # rank 1 only
+    signalled_at = read_metrics(tmp / "stopped")[-1]["step"]
+    output = proc.communicate(timeout=600)[0]
+    return {"tmp": tmp, "returncode": proc.returncode, "output": output, "signalled_at": signalled_at}
+
+
+def test_grpo_under_two_processes_checkpoints_resumes_and_saves_a_final_model(launch):
+    out = launch["tmp"] / "grpo"
+    assert [m["step"] for m in read_metrics(out)] == [0, 1, 2, 3], launch["output"][-3000:]  # resumed at step 1
+    for m in read_metrics(out)[1:]:
+        assert all(k in m for k in STEP_METRICS), sorted(m)
+    step_1 = out / "checkpoints" / "step_1"
+    assert sorted(os.listdir(step_1 / "optimizer")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # a shard each
+    info = json.loads((step_1 / "run.json").read_text())
+    assert (info["world_size"], info["device"]) == (2, "cpu")
+    assert json.loads((out / "args.json").read_text())["world_size"] == 2
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 2
+    # AdamW's step count continues across the resume: 2 minibatches a step, 3 steps
+    assert {int(s["step"]) for s in read_optimizer_state(out / "checkpoints" / "step_3")["state"].values()} == {6}
+    final = AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(TINY_MODEL).state_dict()
+    assert final.keys() == initial.keys()
+    assert not torch.equal(final["model.layers.0.mlp.down_proj.weight"], initial["model.layers.0.mlp.down_proj.weight"])
+
+
+def test_ppo_under_two_processes_checkpoints_policy_critic_and_resumes(launch):
+    out = launch["tmp"] / "ppo"
+    assert [m["step"] for m in read_metrics(out)] == [0, 1, 2, 3], launch["output"][-3000:]
+    groups = read_optimizer_state(out / "checkpoints" / "step_2")["param_groups"]
+    assert len(groups) == 2 and all(n.startswith("critic.") for n in groups[1]["params"])
+    assert (out / "checkpoints" / "step_2" / "critic" / "model.safetensors").exists()
+    assert (out / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("script", OTHERS)
+def test_every_other_script_runs_a_step_under_two_processes(launch, script):
+    out = launch["tmp"] / script[:-3]
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [0, 1], launch["output"][-3000:]
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 2
+    assert (out / "final" / "model.safetensors").exists()
+
+
+def test_a_sigterm_to_one_rank_stops_every_rank_after_the_same_step_with_one_checkpoint(launch):
+    out = launch["tmp"] / "stopped"
+    assert launch["returncode"] != 0, launch["output"][-3000:]  # not a finished run
+    last = read_metrics(out)[-1]["step"]
+    assert last >= launch["signalled_at"]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step_{last}"]
+    assert sorted(os.listdir(out / "checkpoints" / f"step_{last}" / "optimizer"))[1:] == ["__0_0.distcp",
+                                                                                         "__1_0.distcp"]
+    assert "saved checkpoint" in launch["output"] and "SIGTERM: finishing this step" in launch["output"]
+
+
+def test_a_two_process_checkpoint_resumes_in_one_process(launch, run_main, tmp_path):
+    """torch.distributed.checkpoint reshards the optimizer's state to the new world size."""
+    run_main("grpo.py", "--steps", "3", "--resume", launch["tmp"] / "grpo" / "checkpoints" / "step_2",
+             "--output-dir", tmp_path / "one")
+    assert [m["step"] for m in read_metrics(tmp_path / "one")] == [3]
+    assert json.loads((tmp_path / "one" / "summary.json").read_text())["world_size"] == 1
+
+
+def test_two_processes_give_the_gradient_and_the_step_of_one(tmp_path):
+    """The scripts' advantages and losses on one fixed batch (tests/dist_worker.py): the gradient
+    of 2 processes (each its half, global normalizers, FSDP2 summing) equals 1 process's to fp32
+    rounding, for GRPO's token-mean and seq-mean-token-mean, REINFORCE's batch-mean baseline and
+    PPO's whitening; so does AdamW's first step (clipped) wherever it is not a sign of noise."""
+    one = subprocess.run([sys.executable, "tests/dist_worker.py", tmp_path / "one.pt"], cwd=ROOT, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = torchrun("tests/dist_worker.py", tmp_path / "two.pt")
+    output = two.communicate()[0]
+    assert two.returncode == 0, output[-3000:]
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert (one["world_size"], two["world_size"]) == (1, 2)
+    for case in CASES:
+        g1, g2 = (torch.cat([v.flatten() for v in r[case]["grad"].values()]) for r in (one, two))
+        assert g1.norm() > 0.1
+        assert (g1 - g2).norm() / g1.norm() < 1e-5, case
+        assert one[case]["grad_norm"] == pytest.approx(two[case]["grad_norm"], rel=1e-5)  # clipping: >1, active
+        # AdamW's first step is lr * g / (|g| + eps), eps 1e-8: where |g| is within a few orders of eps,
+        # it magnifies the gradient's rounding noise
+        d1, d2 = (torch.cat([v.flatten() for v in r[case]["delta"].values()]) for r in (one, two))
+        clear = g1.abs() > 1e-4
+        assert clear.float().mean() > 0.5, case
+        assert torch.allclose(d1[clear], d2[clear], rtol=1e-5, atol=0), case
