@@ -25,6 +25,8 @@ import sys
 import torch
 import torch.distributed as tdist
 
+from common.ops import masked_mean
+
 
 def init() -> str:
     """Join torchrun's process group (nccl on CUDA, gloo on CPU); returns the device. Without
@@ -88,6 +90,8 @@ def minibatch_totals(loss_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def global_mean(values: torch.Tensor) -> torch.Tensor:
     """The mean of values over every rank's rows (a batch-mean baseline), in values' dtype."""
+    if world_size() == 1:
+        return values.mean()  # one process: exactly the local mean, as before torchrun support
     totals = all_sum(torch.stack([values.sum().double(), torch.tensor(values.numel(), dtype=torch.float64,
                                                                        device=values.device)]))
     return (totals[0] / totals[1]).to(values.dtype)
@@ -95,6 +99,8 @@ def global_mean(values: torch.Tensor) -> torch.Tensor:
 
 def global_masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The mean of values over mask on every rank (whitening over the whole batch), in values' dtype."""
+    if world_size() == 1:
+        return masked_mean(values, mask)
     mask = mask.to(values.dtype)
     totals = all_sum(torch.stack([(values * mask).sum().double(), mask.sum().double()]))
     return (totals[0] / totals[1].clamp(min=1)).to(values.dtype)

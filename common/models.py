@@ -213,12 +213,17 @@ def load_reference(name_or_path: str, tokenizer, dtype: str, device: str, policy
     return freeze(load_policy(name_or_path, tokenizer, dtype, device))
 
 
-def save_model(model, tokenizer, folder: str, state_dict: dict | None = None) -> None:
+def save_model(model, tokenizer, folder: str, state_dict: dict | None = None, merged: dict | None = None) -> None:
     """A model folder transformers and vLLM load; state_dict: a sharded model's whole weights
     (common.dist.full_state_dict). Under LoRA: the merged weights (W + scale * B A) there and
-    the adapters in folder/adapter; the policy is merged in place (call last)."""
+    the adapters in folder/adapter; the policy is merged in place (call last), unless merged
+    (merged_state_dict) gives the merged weights of a sharded one."""
     if is_lora(model):
-        model.save_pretrained(os.path.join(folder, "adapter"))
+        model.save_pretrained(os.path.join(folder, "adapter"), state_dict=state_dict)
+        if merged is not None:
+            model.get_base_model().save_pretrained(folder, state_dict=merged)
+            tokenizer.save_pretrained(folder)
+            return
         model = model.merge_and_unload()
     model.save_pretrained(folder, state_dict=state_dict)
     tokenizer.save_pretrained(folder)
@@ -346,7 +351,13 @@ def merged_weights(model):
             if leaf == "weight":
                 layer = modules[owner]
                 p = p + sum(layer.get_delta_weight(a) for a in layer.active_adapters)
-        yield name, p.detach()
+        yield name, full_tensor(p.detach())
+
+
+@torch.no_grad()
+def merged_state_dict(model) -> dict:
+    """merged_weights as a dict of CPU tensors (every rank gathers; the final model's weights)."""
+    return {name: t.cpu() for name, t in merged_weights(model)}
 
 
 @torch.no_grad()

@@ -28,7 +28,7 @@ import torch
 from common import dist
 from common.curves import write_curves
 from common.errors import ConfigError, RunError, need
-from common.models import save_model
+from common.models import is_lora, merged_state_dict, save_model
 
 # ---------------------------------------------------------------------------------------
 # arguments
@@ -102,8 +102,6 @@ def check_args(args, max_context: int, max_prompt_len: int, min_completions: int
               f"--lr {args.lr} are mostly rounded away; --dtype float32 (the default) keeps fp32 master "
               f"weights", file=sys.stderr)
     world = dist.world_size()
-    need(world == 1 or not getattr(args, "lora_rank", 0), "--lora-rank is not supported with more than one process "
-                                                           "yet (LoRA under FSDP2): run it as one process")
     need(args.prompts_per_step % world == 0, f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
                                              f"number of processes ({world}): each takes an equal share of the prompts")
     if hasattr(args, "num_minibatches"):  # scripts that reuse a rollout batch for several updates
@@ -383,9 +381,11 @@ class Run:
         """final/ (a model folder, merged under LoRA, written atomically) and summary.json."""
         final_dir = os.path.join(self.dir, "final")
         weights = dist.full_state_dict(model)  # every rank takes part; whole on rank 0
+        # LoRA under FSDP: the merged weights gathered a tensor at a time (a sharded model cannot merge in place)
+        merged = merged_state_dict(model) if is_lora(model) and dist.world_size() > 1 else None
         if dist.is_main():
             with atomic_folder(final_dir) as tmp:
-                save_model(model, tokenizer, tmp, weights)
+                save_model(model, tokenizer, tmp, weights, merged)
             summary = {"eval/accuracy_start": self.accuracy_start, "eval/accuracy_end": eval_metrics["eval/accuracy"],
                        "steps": self.args.steps, "wall_time_s": self.wall_time(), **self.launch}
             write_json(os.path.join(self.dir, "summary.json"), summary)

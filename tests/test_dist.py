@@ -46,6 +46,8 @@ def launch(tmp_path_factory):
             ["ppo.py", "--steps", "2", "--save-every", "1", "--output-dir", tmp / "ppo", *SMALL],
             ["ppo.py", "--steps", "3", "--resume", tmp / "ppo"],
             *[[s, "--steps", "1", "--save-every", "0", "--output-dir", tmp / s[:-3], *small(s)] for s in OTHERS],
+            ["grpo.py", "--steps", "2", "--save-every", "1", "--lora-rank", "8", "--lr", "2e-3", "--output-dir",
+             tmp / "lora", *SMALL],
             ["grpo.py", "--steps", "1000", "--save-every", "0", "--output-dir", tmp / "stopped", *SMALL]]
     spec = tmp / "runs.json"
     spec.write_text(json.dumps([[str(x) for x in run] for run in runs]))
@@ -62,6 +64,8 @@ def test_grpo_under_two_processes_checkpoints_resumes_and_saves_a_final_model(la
     assert [m["step"] for m in read_metrics(out)] == [0, 1, 2, 3], launch["output"][-3000:]  # resumed at step 1
     for m in read_metrics(out)[1:]:
         assert all(k in m for k in STEP_METRICS), sorted(m)
+        # each rank's engine samples with the weights gathered from the shards after the last update
+        assert m["rollout/logprob_mismatch"] < 1e-3, m
     step_1 = out / "checkpoints" / "step_1"
     assert sorted(os.listdir(step_1 / "optimizer")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # a shard each
     info = json.loads((step_1 / "run.json").read_text())
@@ -92,6 +96,21 @@ def test_every_other_script_runs_a_step_under_two_processes(launch, script):
     assert [m["step"] for m in metrics] == [0, 1], launch["output"][-3000:]
     assert json.loads((out / "summary.json").read_text())["world_size"] == 2
     assert (out / "final" / "model.safetensors").exists()
+
+
+def test_a_lora_run_under_two_processes_saves_adapters_and_a_merged_final_model(launch):
+    out = launch["tmp"] / "lora"
+    assert [m["step"] for m in read_metrics(out)] == [0, 1, 2], launch["output"][-3000:]
+    # step 2 samples from the merged weights synced after step 1: vLLM and the trainer agree (fp32)
+    assert read_metrics(out)[2]["rollout/logprob_mismatch"] < 1e-3
+    assert (out / "checkpoints" / "step_1" / "policy" / "adapter_model.safetensors").exists()
+    assert (out / "final" / "adapter" / "adapter_model.safetensors").exists()
+    final = AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(TINY_MODEL).state_dict()
+    assert final.keys() == initial.keys()
+    name = "model.layers.0.self_attn.q_proj.weight"  # a LoRA target: W + scale * B A after one step
+    assert not torch.equal(final[name], initial[name])
+    assert torch.equal(final["model.layers.0.input_layernorm.weight"], initial["model.layers.0.input_layernorm.weight"])
 
 
 def test_a_sigterm_to_one_rank_stops_every_rank_after_the_same_step_with_one_checkpoint(launch):
