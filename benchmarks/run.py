@@ -99,7 +99,12 @@ TARGET = 0.8  # held-out accuracy for "steps / time to target"
 TIME_PARTS = ["rollout", "logprobs", "train", "sync"]
 TIME_LABELS = {"rollout": "rollout (vLLM)", "logprobs": "old/ref log-probs", "train": "update",
                "sync": "weight sync", "other": "other (reward, advantages, logging)"}
-BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
+BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"  # full mode's; another mode's: markers()
+
+
+def markers(mode: str = "full") -> tuple[str, str]:
+    """The README block of a mode's report: full mode keeps the original markers."""
+    return (BEGIN, END) if mode == "full" else (f"<!-- benchmarks:{mode}:begin -->", f"<!-- benchmarks:{mode}:end -->")
 
 
 # ---------------------------------------------------------------------------------------
@@ -754,16 +759,17 @@ def write_report(data: dict, out: Path) -> str:
     return report
 
 
-def update_readme(readme: Path, report: str, out: Path) -> None:
-    """Replace the README's block between the markers with the report (images relinked)."""
+def update_readme(readme: Path, report: str, out: Path, mode: str = "full") -> None:
+    """Replace the README's block between the mode's markers with the report (images relinked)."""
     text = readme.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"error: {readme} has no '{BEGIN}' ... '{END}' block to fill")
+    begin, end = markers(mode)
+    if begin not in text or end not in text:
+        raise SystemExit(f"error: {readme} has no '{begin}' ... '{end}' block to fill")
     rel = Path(os.path.relpath(out, readme.resolve().parent)).as_posix()
     for name in ("curves.png", "time_breakdown.png", "lecture.png"):
         report = report.replace(f"]({name})", f"]({rel}/{name})")
-    head, rest = text.split(BEGIN, 1)
-    readme.write_text(f"{head}{BEGIN}\n{report}\n{END}{rest.split(END, 1)[1]}")
+    head, rest = text.split(begin, 1)
+    readme.write_text(f"{head}{begin}\n{report}\n{end}{rest.split(end, 1)[1]}")
     print(f"updated {readme}", flush=True)
 
 
@@ -818,7 +824,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(out / "results.json", data)
     report = write_report(data, out)
     if args.update_readme:
-        update_readme(args.update_readme, report, out)
+        update_readme(args.update_readme, report, out, args.mode)
     failed = [name for name in ("rollout_engines", "rollout_engines_smollm2", "gradient_variance")
               if name in data and not data[name]]
     failed += [name for name, r in data["runs"].items() if r["status"] != "ok"]

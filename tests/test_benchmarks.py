@@ -282,6 +282,12 @@ def test_update_readme(tmp_path):
     bench.update_readme(readme, "## Results\n\n![curves](curves.png)\n", tmp_path / "results" / "full")
     assert readme.read_text() == (f"# title\n\nintro\n{bench.BEGIN}\n## Results\n\n![curves](results/full/curves.png)\n"
                                   f"\n{bench.END}\n\n## after\n")
+    # another mode's report goes into its own block and leaves full mode's alone
+    begin, end = bench.markers("hard")
+    readme.write_text(readme.read_text() + f"{begin}\nold\n{end}\n")
+    bench.update_readme(readme, "## Hard\n", tmp_path / "results" / "hard", "hard")
+    assert readme.read_text().endswith(f"## after\n{begin}\n## Hard\n\n{end}\n")
+    assert "![curves](results/full/curves.png)" in readme.read_text()
     readme.write_text("no markers\n")
     with pytest.raises(SystemExit, match="no '<!-- benchmarks:begin -->'"):
         bench.update_readme(readme, "report", tmp_path)
