@@ -2,9 +2,9 @@
 on the same model, prompts, sampling settings and number of completions.
 
 vLLM is created by common.models.create_engine exactly as the training scripts create it (on
-CPU with the plain weights that weight sync needs). transformers is the trainer's own policy
-(common.models.load_policy) with a KV cache, left-padded prompts, temperature T, no top-k /
-top-p, stopping at EOS. After one warm-up call each, every size is timed --repeats times;
+CPU with its packed weights plus the plain ones that weight sync writes into). transformers is
+the trainer's own policy (common.models.load_policy) with a KV cache, left-padded prompts,
+temperature T, no top-k / top-p, stopping at EOS. After one warm-up call each, every size is timed --repeats times;
 completions/s and completion tokens/s (EOS included) are the median over the repeats.
 run.py starts it in its own process (vLLM changes process-wide settings) and reads --json.
 """

@@ -242,18 +242,27 @@ def freeze(model: PreTrainedModel) -> PreTrainedModel:
 # vLLM
 # ---------------------------------------------------------------------------------------
 
-def _keep_plain_cpu_weights() -> None:
-    """CPU only: stop vLLM from packing linear weights into opaque kernels.
+def _keep_cpu_weights() -> None:
+    """CPU only: let vLLM pack its linear weights into fast kernels, but keep the weights too.
 
-    vLLM's CPU backend replaces each linear layer's weight with a packed copy and an
-    empty Parameter, after which load_weights() has nothing to write into. Dispatching
-    every layer to a plain F.linear keeps ordinary weights that load_weights() updates."""
+    vLLM's CPU backend replaces each linear layer's weight with a packed copy (oneDNN) and an
+    empty Parameter, after which load_weights() has nothing to write into. Packing with
+    remove_weight=False keeps the Parameter that load_weights() updates; each layer gets a
+    repack() that sync_weights() calls to pack the new weights. Against a plain F.linear this
+    generates ~1.5x faster (SmolLM2-135M, float32, 2 cores) for a second copy of the linear
+    weights in memory and ~0.3 s a sync."""
     import vllm.model_executor.layers.utils as layer_utils
 
-    def plain_linear(layer, remove_weight):
-        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+    pack = layer_utils.dispatch_cpu_unquantized_gemm
+    if getattr(pack, "keeps_weights", False):  # patched by an earlier engine
+        return
 
-    layer_utils.dispatch_cpu_unquantized_gemm = plain_linear
+    def pack_keeping_weights(layer, remove_weight):
+        pack(layer, remove_weight=False)
+        layer.repack = lambda: pack(layer, remove_weight=False)
+
+    pack_keeping_weights.keeps_weights = True
+    layer_utils.dispatch_cpu_unquantized_gemm = pack_keeping_weights
 
 
 def create_engine(name_or_path: str, seed: int, max_model_len: int, dtype: str = "float32",
@@ -262,10 +271,9 @@ def create_engine(name_or_path: str, seed: int, max_model_len: int, dtype: str =
     """An in-process vLLM engine for rollouts, seeded once (never per request).
 
     On CPU the KV cache is sized by cpu_kv_cache_gib (vLLM would take most of the RAM),
-    and linear weights are kept plain so that sync_weights() can update them.
+    and linear weights are kept beside their packed copies so that sync_weights() can update them.
     enforce_eager skips vLLM's torch.compile warm-up; the default is eager on CPU, where the
-    compiled graphs are never reused across runs (the plain-weight patch makes vLLM recompile
-    every start): that saves ~8 s of start-up for the tiny model and ~40-55 s for
+    compiled graphs are never reused across runs (vLLM recompiles every start): that saves ~8 s of start-up for the tiny model and ~40-55 s for
     SmolLM2-135M on 2 cores, for ~10-20% slower generation. On GPU vLLM compiles.
     sleep_mode (CUDA only; vLLM has none on CPU): see awake()."""
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
@@ -277,7 +285,7 @@ def create_engine(name_or_path: str, seed: int, max_model_len: int, dtype: str =
         # vLLM drops torch to one thread "for serving" unless OMP_NUM_THREADS is set,
         # which would leave training in this process on one core.
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
-        _keep_plain_cpu_weights()
+        _keep_cpu_weights()
     from vllm import LLM
 
     kwargs = {} if on_cpu else {"gpu_memory_utilization": gpu_memory_utilization}
@@ -366,5 +374,9 @@ def sync_weights(llm, model: PreTrainedModel) -> None:
     cached prefixes (their KV entries were computed with the old weights). A sleeping
     engine's weights are woken first: loading into released memory would be lost silently."""
     wake(llm, "weights")
-    engine_model(llm).load_weights(merged_weights(model))
+    engine = engine_model(llm)
+    engine.load_weights(merged_weights(model))
+    for layer in engine.modules():
+        if hasattr(layer, "repack"):  # CPU: vLLM's packed copies made again from the new weights
+            layer.repack()
     llm.reset_prefix_cache()
