@@ -429,7 +429,7 @@ def main(args: Args) -> None:
                                                     args.micro_batch_size, autocast_dtype)
                 old_values = torch.zeros_like(old_logprobs)
                 with torch.no_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                    for micro, cols, c in micro_batches(torch.arange(B, device=device), attention_mask, C,
+                    for micro, cols, c in micro_batches(torch.arange(B, device=device), input_ids, attention_mask, C,
                                                         args.micro_batch_size):
                         old_values[micro, :c] = forward_values(critic, input_ids[micro, cols],
                                                                attention_mask[micro, cols], c)
@@ -455,7 +455,7 @@ def main(args: Args) -> None:
                         num_tokens, num_seqs = dist.minibatch_totals(loss_mask[mb])  # over all ranks
                         mb_loss = 0.0
                         # micro-batches of similar length, each cut to its longest row: [micro, :c] lines up
-                        for micro, cols, c in micro_batches(mb, attention_mask, C, args.micro_batch_size):
+                        for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
                             with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                                 logprobs, entropy = forward_logprobs(policy, input_ids[micro, cols],
                                                                      attention_mask[micro, cols], c, args.temperature,

@@ -295,7 +295,7 @@ def main(args: Args) -> None:
                         num_tokens, num_seqs = dist.minibatch_totals(loss_mask[mb])  # over all ranks
                         mb_loss = 0.0
                         # micro-batches of similar length, each cut to its longest row: [micro, :c] lines up
-                        for micro, cols, c in micro_batches(mb, attention_mask, C, args.micro_batch_size):
+                        for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
                             with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                                 logprobs, entropy = forward_logprobs(policy, input_ids[micro, cols],
                                                                      attention_mask[micro, cols], c, args.temperature,

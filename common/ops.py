@@ -8,6 +8,7 @@ column P + j. `completion_mask` marks real completion tokens (EOS included).
 from __future__ import annotations
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 # the entropy is computed over slices of at most this many logits (2^26 fp32: 256 MiB)
 ENTROPY_SLICE = 2**26
@@ -20,20 +21,16 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     """log pi(y_t | x, y_<t) for the last `num_completion_tokens` columns of each row.
 
     The logit at position t predicts the token at t+1, so the C completion tokens are
-    scored by the logits at columns P-1 .. P+C-2. Only those C logit rows are computed
-    (logits_to_keep), and they are divided by the sampling temperature first: the policy
-    that generated the data is softmax(logits / T). The log-softmax runs in fp32 even under
-    bf16 autocast (the main source of trainer/vLLM mismatch otherwise). Position ids count
-    real tokens only, so left padding does not shift positions (vLLM starts every prompt at
-    position 0). Returns [B, C] log-probs (and [B, C] entropies, detached, if asked).
+    scored by the logits at columns P-1 .. P+C-2 (see completion_logits), divided by the
+    sampling temperature first: the policy that generated the data is softmax(logits / T).
+    The log-softmax runs in fp32 even under bf16 autocast (the main source of trainer/vLLM
+    mismatch otherwise). Returns [B, C] log-probs (and [B, C] entropies, detached, if asked).
 
     Memory: [B, C, V] logits are the largest tensors of a step (16 x 512 x 152k in fp32 is
     5 GB), so none is copied needlessly: the temperature divides in place, and the entropy
     is computed a slice of positions at a time."""
     C = num_completion_tokens
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=C + 1, use_cache=False).logits[:, :-1].float()
+    logits = completion_logits(model, input_ids, attention_mask, C).float()
     if temperature != 1.0:
         logits = logits.div_(temperature)  # in place: the model's output is not needed again
     targets = input_ids[:, -C:]
@@ -49,7 +46,44 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     return logprobs, entropy
 
 
-def micro_batches(rows: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int, size: int):
+def position_ids_of(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each column's position among its row's real tokens (left padding gets 0)."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int):
+    """The model's logits at columns P-1 .. P+C-2, [B, C, V]: those that score the C completion tokens.
+
+    Only those C logit rows go through the output layer (logits_to_keep). Position ids count
+    real tokens only, so left padding does not shift positions (vLLM starts every prompt at
+    position 0).
+
+    Rows with the same prompt (the G completions of a group) share its forward: the prompt
+    runs once, all but its last token, and keeps its attention keys and values; each row
+    then runs from its prompt's last token on top of its prompt's cache. The same function
+    of the weights (autograd sums the rows' gradients through the shared prompt), for about
+    half the compute when a prompt is as long as its completions. Not under gradient
+    checkpointing, which turns the cache off in training, nor under FSDP (torchrun), whose
+    backward breaks when a sharded model runs twice before it ("setStorage: ... out of bounds")."""
+    C = num_completion_tokens
+    P = input_ids.shape[1] - C
+    position_ids = position_ids_of(attention_mask)
+    prompts, group = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], dim=1), dim=0,
+                                  return_inverse=True)
+    no_cache = model.training and getattr(model, "is_gradient_checkpointing", False)
+    if len(prompts) == len(input_ids) or P < 2 or no_cache or isinstance(model, FSDPModule):
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                     logits_to_keep=C + 1, use_cache=False).logits[:, :-1]
+    prompt_ids, prompt_mask = prompts[:, :P - 1], prompts[:, P:2 * P - 1]  # each prompt but its last token
+    shared = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_of(prompt_mask),
+                   logits_to_keep=1, use_cache=True).past_key_values
+    shared.reorder_cache(group)  # each row gets its prompt's keys and values (differentiably)
+    return model(input_ids=input_ids[:, P - 1:-1], attention_mask=attention_mask[:, :-1],
+                 position_ids=position_ids[:, P - 1:-1], past_key_values=shared, use_cache=True).logits
+
+
+def micro_batches(rows: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  num_completion_tokens: int, size: int):
     """Split rows (indices into the batch) into micro-batches of similar length, each cut to
     the columns it needs. Yields (micro, columns, c): input_ids[micro, columns] holds these
     rows' prompts left-padded to their own longest prompt and their completions right-padded
@@ -57,13 +91,19 @@ def micro_batches(rows: torch.Tensor, attention_mask: torch.Tensor, num_completi
 
     Padding costs as much compute as tokens, and a batch's longest prompt and completion are
     rarely in the same row: sorting by length and cutting each micro-batch to its own longest
-    row skips most of it. Normalizers stay the minibatch's (see aggregate), so the summed
-    micro-batch gradients are still the minibatch's gradient."""
+    row skips most of it. Rows with the same prompt stay next to each other (sorted by their
+    group's longest completion), so that a micro-batch holds whole groups whose prompt runs
+    once (see completion_logits). Normalizers stay the minibatch's (see aggregate), so the
+    summed micro-batch gradients are still the minibatch's gradient."""
     C = num_completion_tokens
     P = attention_mask.shape[1] - C
     prompt_lens = attention_mask[rows, :P].sum(1)
     completion_lens = attention_mask[rows, P:].sum(1)
-    order = torch.argsort(completion_lens * (P + 1) + prompt_lens, stable=True)
+    _, group = torch.unique(torch.cat([input_ids[rows, :P], attention_mask[rows, :P]], dim=1), dim=0,
+                            return_inverse=True)
+    group_lens = torch.zeros_like(completion_lens).scatter_reduce(0, group, completion_lens, "amax")[group]
+    order = torch.argsort(((group_lens * (P + 1) + prompt_lens) * len(rows) + group) * (C + 1) + completion_lens,
+                          stable=True)
     for i in range(0, len(rows), size):
         chunk = order[i:i + size]
         p, c = int(prompt_lens[chunk].max()), max(1, int(completion_lens[chunk].max()))
@@ -78,7 +118,8 @@ def batched_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     [B, C], 0 on completion padding."""
     out = torch.zeros(input_ids.shape[0], num_completion_tokens, device=input_ids.device)
     all_rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-    for micro, columns, c in micro_batches(all_rows, attention_mask, num_completion_tokens, micro_batch_size):
+    for micro, columns, c in micro_batches(all_rows, input_ids, attention_mask, num_completion_tokens,
+                                               micro_batch_size):
         with torch.autocast(input_ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             out[micro, :c] = forward_logprobs(model, input_ids[micro, columns], attention_mask[micro, columns], c,
                                               temperature)

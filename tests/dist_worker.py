@@ -64,7 +64,7 @@ def update(policy, case: str, input_ids, attention_mask, completion_mask, reward
         advantages = ppo.whiten(advantages, loss_mask)
     rows = torch.arange(len(input_ids))
     num_tokens, num_seqs = dist.minibatch_totals(loss_mask[rows])
-    for micro, cols, c in micro_batches(rows, attention_mask, C, MICRO):
+    for micro, cols, c in micro_batches(rows, input_ids, attention_mask, C, MICRO):
         logprobs = forward_logprobs(policy, input_ids[micro, cols], attention_mask[micro, cols], c)
         weights = truncated_is_weights(old_logprobs[micro, :c], old_logprobs[micro, :c], 0.0)
         if case.startswith("grpo"):

@@ -125,7 +125,7 @@ def update_gradient(script, policy, batch, vllm_logprobs, advantages, old_logpro
     policy.zero_grad()
     total = 0.0
     for micro, cols, c in micro_batches(torch.randperm(B, generator=torch.Generator().manual_seed(0)),
-                                        attention_mask, C, 2):
+                                        input_ids, attention_mask, C, 2):
         logprobs = forward_logprobs(policy, input_ids[micro, cols], attention_mask[micro, cols], c, 1.0)
         if reuse_forward:
             old_logprobs[micro, :c] = logprobs.detach()

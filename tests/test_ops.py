@@ -87,6 +87,44 @@ def test_batched_logprobs_equal_single_pass(tiny_policy, tokenizer):
     torch.testing.assert_close(chunked * completion_mask, full * completion_mask, atol=1e-5, rtol=1e-5)
 
 
+def test_completions_of_one_prompt_share_its_forward(tiny_policy, tokenizer):
+    """Two groups of three completions (prompts of different lengths, completions of
+    different lengths): micro_batches keeps each group in one micro-batch, the prompt runs
+    once per group, and the log-probs and their gradient are those of every row on its own."""
+    from common.ops import micro_batches
+
+    prompts = [tokenizer("sort 52813:")["input_ids"]] * 3 + [tokenizer("sort 91:")["input_ids"]] * 3
+    completions = [tokenizer(s)["input_ids"] for s in ["12358", "1", "853", "19", "91", "1999"]]
+    input_ids, attention_mask, completion_mask = make_batch(prompts, completions, tokenizer.pad_token_id, "cpu")
+    B, C = completion_mask.shape
+    params = [p for p in tiny_policy.parameters() if p.requires_grad]
+    expected = [reference_logprobs(tiny_policy, p + c, len(c), 1.0) for p, c in zip(prompts, completions)]
+
+    def row_alone(i):  # one unpadded row: nothing to share
+        ids = torch.tensor([prompts[i] + completions[i]])
+        return forward_logprobs(tiny_policy, ids, torch.ones_like(ids), len(completions[i]))[0]
+    expected_grad = torch.autograd.grad(sum((i + 1.0) * row_alone(i).sum() for i in range(B)), params)
+
+    tokens_in = []
+    hook = tiny_policy.get_input_embeddings().register_forward_hook(lambda m, i, o: tokens_in.append(i[0].numel()))
+    micro = list(micro_batches(torch.randperm(B, generator=torch.Generator().manual_seed(1)), input_ids,
+                               attention_mask, C, 3))
+    assert sorted(sorted(m.tolist()) for m, _, _ in micro) == [[0, 1, 2], [3, 4, 5]]  # whole groups
+    loss = 0.0
+    for rows, cols, c in micro:
+        logprobs = forward_logprobs(tiny_policy, input_ids[rows, cols], attention_mask[rows, cols], c)
+        for row, lp in zip(rows.tolist(), logprobs):
+            torch.testing.assert_close(lp[:len(completions[row])], expected[row], atol=1e-5, rtol=1e-5)
+        loss = loss + ((rows.unsqueeze(1) + 1.0) * logprobs * completion_mask[rows, :c]).sum()
+    hook.remove()
+    # per group: its prompt but the last token once, then 3 rows of (last prompt token + completion - 1)
+    assert tokens_in == [len(prompts[0]) - 1, 3 * 5, len(prompts[3]) - 1, 3 * 4] or \
+        tokens_in == [len(prompts[3]) - 1, 3 * 4, len(prompts[0]) - 1, 3 * 5]
+    for got, want in zip(torch.autograd.grad(loss, params), expected_grad):
+        # fp32 rounding: the shared prompt sums three rows' gradients in another order (~2e-6 of the largest)
+        torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=1e-4)
+
+
 VALUES = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 0.0, 0.0]])
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
 
@@ -159,7 +197,7 @@ def test_cut_micro_batches_of_similar_length_give_the_full_batch_gradient(tiny_p
     g_full = torch.autograd.grad(full, params)
 
     g_acc, seen, widths = [torch.zeros_like(p) for p in params], [], []
-    for micro, cols, c in micro_batches(torch.arange(B), attention_mask, C, 3):
+    for micro, cols, c in micro_batches(torch.arange(B), input_ids, attention_mask, C, 3):
         assert attention_mask[micro, cols].sum() == attention_mask[micro].sum()  # no real token cut off
         seen += micro.tolist()
         widths.append(cols.stop - cols.start)
