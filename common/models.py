@@ -248,9 +248,9 @@ def _keep_cpu_weights() -> None:
     vLLM's CPU backend replaces each linear layer's weight with a packed copy (oneDNN) and an
     empty Parameter, after which load_weights() has nothing to write into. Packing with
     remove_weight=False keeps the Parameter that load_weights() updates; each layer gets a
-    repack() that sync_weights() calls to pack the new weights. Against a plain F.linear this
-    generates ~1.5x faster (SmolLM2-135M, float32, 2 cores) for a second copy of the linear
-    weights in memory and ~0.3 s a sync."""
+    repack() that sync_weights() calls to pack the new weights. Against a plain F.linear the
+    rollout of benchmarks/README.md's step-time table went 22.8 -> 15.7 s (SmolLM2-135M,
+    float32, 2 cores), for a second copy of the linear weights and +0.5 s a sync."""
     import vllm.model_executor.layers.utils as layer_utils
 
     pack = layer_utils.dispatch_cpu_unquantized_gemm
@@ -271,10 +271,11 @@ def create_engine(name_or_path: str, seed: int, max_model_len: int, dtype: str =
     """An in-process vLLM engine for rollouts, seeded once (never per request).
 
     On CPU the KV cache is sized by cpu_kv_cache_gib (vLLM would take most of the RAM),
-    and linear weights are kept beside their packed copies so that sync_weights() can update them.
-    enforce_eager skips vLLM's torch.compile warm-up; the default is eager on CPU, where the
-    compiled graphs are never reused across runs (vLLM recompiles every start): that saves ~8 s of start-up for the tiny model and ~40-55 s for
-    SmolLM2-135M on 2 cores, for ~10-20% slower generation. On GPU vLLM compiles.
+    and linear weights are kept beside their packed copies so that sync_weights() can update
+    them. enforce_eager skips vLLM's torch.compile warm-up; the default is eager on CPU, where
+    the compiled graphs are never reused across runs (vLLM recompiles every start): that saves
+    ~8 s of start-up for the tiny model and ~40-55 s for SmolLM2-135M on 2 cores, for ~10-20%
+    slower generation. On GPU vLLM compiles.
     sleep_mode (CUDA only; vLLM has none on CPU): see awake()."""
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         raise RuntimeError("set VLLM_ENABLE_V1_MULTIPROCESSING=0 before importing vllm: "

@@ -61,8 +61,9 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     Rows with the same prompt (the G completions of a group) share its forward: the prompt
     runs once, all but its last token, and keeps its attention keys and values; each row
     then runs from its prompt's last token on top of its prompt's cache. The same function
-    of the weights (autograd sums the rows' gradients through the shared prompt), for about
-    half the compute when a prompt is as long as its completions. Not under gradient
+    of the weights (autograd sums the rows' gradients through the shared prompt), for fewer
+    tokens when prompts are long (the gain measured so far is small: benchmarks/README.md,
+    step time). Not under gradient
     checkpointing, which turns the cache off in training, nor under FSDP (torchrun), whose
     backward breaks when a sharded model runs twice before it ("setStorage: ... out of bounds")."""
     C = num_completion_tokens
