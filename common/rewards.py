@@ -78,13 +78,15 @@ def load_function(spec: str, what: str) -> Callable:
 # built-in rewards
 # ---------------------------------------------------------------------------------------
 
-ANSWER_TAGS = re.compile(r"<answer>.*?</answer>", re.DOTALL)
-BOXED = re.compile(r"\\boxed\{.*?\}", re.DOTALL)
+# something in the tags or the box: an empty \boxed{} is not an answer (SmolLM2 learned to
+# write "within \boxed{}" over and over for a format reward that counted it)
+ANSWER_TAGS = re.compile(r"<answer>\s*[^\s<].*?</answer>", re.DOTALL)
+BOXED = re.compile(r"\\boxed\{\s*[^\s}].*?\}", re.DOTALL)
 
 
 def format_reward(completion: str, example: dict) -> float:
-    """1 if the completion gives its answer in the form the tasks ask for: inside
-    <answer></answer> tags (reasoning-gym) or \\boxed{} (gsm8k, jsonl); else 0."""
+    """1 if the completion gives an answer in the form the tasks ask for: inside
+    <answer></answer> tags (reasoning-gym) or \\boxed{} (gsm8k, jsonl), not empty; else 0."""
     return 1.0 if ANSWER_TAGS.search(completion) or BOXED.search(completion) else 0.0
 
 

@@ -145,13 +145,20 @@ def math_reward(completion: str, example: dict) -> float:
 
     math-verify reads the last \\boxed{...} answer first, then "the final answer is ...",
     then the last number; it compares values, so 1,000 and 1000.0 and \\boxed{1000} are
-    the same answer. Anything it cannot parse scores 0."""
+    the same answer. Anything it cannot parse scores 0.
+
+    When the answer is a number, so must the completion's be: math-verify evaluates what it
+    reads, so "-1 - 3 - 9", the question restated, would equal -13. SmolLM2 learned exactly
+    that in a GRPO run on `arithmetic` (2026-12-01) before this check."""
     from math_verify import parse, verify
+    from sympy import Number
 
     try:
         gold = list(parse_gold(str(example["answer"])))
         timeout = _math_verify_timeout()
         pred = parse(completion, parsing_timeout=timeout)
+        if gold and isinstance(gold[0], Number) and not (pred and isinstance(pred[0], Number)):
+            return 0.0  # an expression, not a value
         return 1.0 if gold and pred and verify(gold, pred, timeout_seconds=timeout) else 0.0
     except Exception:  # math-verify mostly catches its own errors; a reward must never raise
         return 0.0

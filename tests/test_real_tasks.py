@@ -102,6 +102,16 @@ def test_math_reward_fractions_and_latex_gold():
     assert math_reward("\\boxed{\\frac{1}{3}}", {"answer": "0.5"}) == 0.0
 
 
+def test_math_reward_a_number_answer_must_be_a_number_not_an_expression():
+    """math-verify evaluates what it reads: without the check, the question restated (SmolLM2
+    learned to write it under GRPO) equals the answer."""
+    restated = "To calculate -1 - 3 - 9 within \\boxed{}, you need to put the final answer within \\boxed{}."
+    assert math_reward(restated, {"answer": "-13"}) == 0.0
+    assert math_reward("\\boxed{3 + 4}", {"answer": "7"}) == 0.0
+    assert math_reward("-1 - 3 - 9 = \\boxed{-13}", {"answer": "-13"}) == 1.0
+    assert math_reward("\\boxed{1 + x^2}", {"answer": "x^2 + 1"}) == 1.0  # an expression answer may be one
+
+
 def test_math_reward_works_outside_the_main_thread():
     """math-verify's timeout uses SIGALRM, which only the main thread may set."""
     results = []

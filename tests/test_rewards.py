@@ -64,6 +64,9 @@ def test_format_reward():
     assert format_reward("so <answer>4</answer>", {}) == 1.0
     assert format_reward("the answer is \\boxed{4}.", {}) == 1.0
     assert format_reward("<answer>4", {}) == 0.0 and format_reward("4", {}) == 0.0
+    assert format_reward("put it within \\boxed{} within \\boxed{ }", {}) == 0.0  # empty: no answer
+    assert format_reward("<answer> </answer>", {}) == 0.0
+    assert format_reward("\\boxed{\\frac{1}{2}}", {}) == 1.0
 
 
 USER_CODE = '''
