@@ -7,17 +7,11 @@ column P + j. `completion_mask` marks real completion tokens (EOS included).
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch.distributed.fsdp import FSDPModule
-from torch.nn.functional import pad
 
 # the entropy is computed over slices of at most this many logits (2^26 fp32: 256 MiB)
 ENTROPY_SLICE = 2**26
-# what a forward pass costs beyond its tokens, in tokens, for length_buckets: a chosen figure
-# (not a measurement) that keeps a micro-batch from splitting into passes to save a token or two
-PASS_COST_TOKENS = 16
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
@@ -30,33 +24,26 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     scored by the logits at columns P-1 .. P+C-2 (see completion_logits), divided by the
     sampling temperature first: the policy that generated the data is softmax(logits / T).
     The log-softmax runs in fp32 even under bf16 autocast (the main source of trainer/vLLM
-    mismatch otherwise). Returns [B, C] log-probs (and [B, C] entropies, detached, if asked);
-    0 past the longest completion of a row's bucket (completion padding: masked by callers).
+    mismatch otherwise). Returns [B, C] log-probs (and [B, C] entropies, detached, if asked).
 
     Memory: [B, C, V] logits are the largest tensors of a step (16 x 512 x 152k in fp32 is
     5 GB), so none is copied needlessly: the temperature divides in place, and the entropy
     is computed a slice of positions at a time."""
     C = num_completion_tokens
-    order, logprobs, entropies = [], [], []
-    for rows, logits in completion_logits(model, input_ids, attention_mask, C):
-        logits, c = logits.float(), logits.shape[1]
-        if temperature != 1.0:
-            logits = logits.div_(temperature)  # in place: the model's output is not needed again
-        targets = input_ids[rows, -C:][:, :c]
-        log_z = torch.logsumexp(logits, dim=-1)
-        order.append(rows)
-        logprobs.append(pad(logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z, (0, C - c)))
-        if with_entropy:
-            with torch.no_grad():
-                # H = log Z - sum_v p_v * logit_v, a slice of positions at a time: no second [n, c, V] tensor
-                step = max(1, ENTROPY_SLICE // (logits.shape[0] * logits.shape[-1]))
-                entropies.append(pad(torch.cat([z - (torch.softmax(chunk, dim=-1) * chunk).sum(-1) for chunk, z in
-                                                zip(logits.detach().split(step, dim=1), log_z.split(step, dim=1))],
-                                               dim=1), (0, C - c)))
-    back = torch.argsort(torch.cat(order))  # buckets' rows -> the batch's order
+    logits = completion_logits(model, input_ids, attention_mask, C).float()
+    if temperature != 1.0:
+        logits = logits.div_(temperature)  # in place: the model's output is not needed again
+    targets = input_ids[:, -C:]
+    log_z = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z
     if not with_entropy:
-        return torch.cat(logprobs)[back]
-    return torch.cat(logprobs)[back], torch.cat(entropies)[back]
+        return logprobs
+    with torch.no_grad():
+        # H = log Z - sum_v p_v * logit_v, a slice of positions at a time: no second [B, C, V] tensor
+        step = max(1, ENTROPY_SLICE // (logits.shape[0] * logits.shape[-1]))
+        entropy = torch.cat([z - (torch.softmax(chunk, dim=-1) * chunk).sum(-1)
+                             for chunk, z in zip(logits.detach().split(step, dim=1), log_z.split(step, dim=1))], dim=1)
+    return logprobs, entropy
 
 
 def position_ids_of(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -64,75 +51,36 @@ def position_ids_of(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def length_buckets(lengths: torch.Tensor, pass_cost: int) -> list[torch.Tensor]:
-    """Rows (indices into lengths) in buckets of consecutive lengths, chosen to minimize the
-    tokens a pass per bucket runs: each of its rows padded to the bucket's longest, plus
-    pass_cost tokens' worth for the pass itself. Exact, by dynamic programming over the rows
-    sorted by length (a micro-batch has few rows)."""
-    order = torch.argsort(lengths, stable=True)
-    sorted_lengths = lengths[order].tolist()
-    best, cut = [0] + [float("inf")] * len(order), [0] * (len(order) + 1)
-    for j in range(1, len(order) + 1):  # best[j]: the cost of the j shortest rows; cut[j]: where their last bucket starts
-        for i in range(j):
-            cost = best[i] + (j - i) * sorted_lengths[j - 1] + pass_cost
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    buckets, j = [], len(order)
-    while j:
-        buckets.append(order[cut[j]:j])
-        j = cut[j]
-    return buckets[::-1]
-
-
 def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int):
-    """The logits that score the completion tokens, a bucket of rows at a time: yields
-    (rows, logits), logits [len(rows), c, V] at columns P-1 .. P+c-2 of those rows, c their
-    longest completion.
+    """The model's logits at columns P-1 .. P+C-2, [B, C, V]: those that score the C completion tokens.
 
-    Only those logit rows go through the output layer (logits_to_keep). Position ids count
+    Only those C logit rows go through the output layer (logits_to_keep). Position ids count
     real tokens only, so left padding does not shift positions (vLLM starts every prompt at
-    position 0). Rows run in buckets of similar completion length (length_buckets), each cut
-    to its own longest, so that a short completion is not padded to the longest one.
+    position 0).
 
     Rows with the same prompt (the G completions of a group) share its forward: the prompt
     runs once, all but its last token, and keeps its attention keys and values; each row
-    then runs from its prompt's last token on top of its prompt's keys and values. The same
-    function of the weights (autograd sums the rows' gradients through the shared prompt),
-    for fewer tokens. Not under gradient checkpointing, which turns the cache off in
-    training. Under FSDP (torchrun) the micro-batch runs in one pass, as it is: FSDP2's
+    then runs from its prompt's last token on top of its prompt's cache. The same function
+    of the weights (autograd sums the rows' gradients through the shared prompt), for fewer
+    tokens when prompts are long (the gain measured so far is small: benchmarks/README.md,
+    step time). Not under gradient
+    checkpointing, which turns the cache off in training, nor under FSDP (torchrun), whose
     backward breaks when a sharded model runs twice before it ("setStorage: ... out of bounds")."""
     C = num_completion_tokens
     P = input_ids.shape[1] - C
     position_ids = position_ids_of(attention_mask)
-    if isinstance(model, FSDPModule):
-        yield torch.arange(len(input_ids), device=input_ids.device), model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            logits_to_keep=C + 1, use_cache=False).logits[:, :-1]
-        return
     prompts, group = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], dim=1), dim=0,
                                   return_inverse=True)
     no_cache = model.training and getattr(model, "is_gradient_checkpointing", False)
-    share = len(prompts) < len(input_ids) and P >= 2 and not no_cache
-    if share:
-        prompt_ids, prompt_mask = prompts[:, :P - 1], prompts[:, P:2 * P - 1]  # each prompt but its last token
-        cache = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_of(prompt_mask),
-                      logits_to_keep=1, use_cache=True).past_key_values
-    prompt_lens, completion_lens = attention_mask[:, :P].sum(1), attention_mask[:, P:].sum(1)
-    for rows in length_buckets(completion_lens, PASS_COST_TOKENS):
-        c = max(1, int(completion_lens[rows].max()))
-        if share:  # a copy of the cache, in which each row gets its prompt's keys and values (differentiably)
-            rows_cache = copy.copy(cache)
-            rows_cache.layers = [copy.copy(layer) for layer in cache.layers]
-            rows_cache.reorder_cache(group[rows])
-            columns = slice(P - 1, P + c - 1)
-            yield rows, model(input_ids=input_ids[rows, columns], attention_mask=attention_mask[rows, :P + c - 1],
-                              position_ids=position_ids[rows, columns], past_key_values=rows_cache,
-                              use_cache=True).logits
-        else:
-            columns = slice(P - int(prompt_lens[rows].max()), P + c)
-            yield rows, model(input_ids=input_ids[rows, columns], attention_mask=attention_mask[rows, columns],
-                              position_ids=position_ids[rows, columns], logits_to_keep=c + 1,
-                              use_cache=False).logits[:, :-1]
+    if len(prompts) == len(input_ids) or P < 2 or no_cache or isinstance(model, FSDPModule):
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                     logits_to_keep=C + 1, use_cache=False).logits[:, :-1]
+    prompt_ids, prompt_mask = prompts[:, :P - 1], prompts[:, P:2 * P - 1]  # each prompt but its last token
+    shared = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_of(prompt_mask),
+                   logits_to_keep=1, use_cache=True).past_key_values
+    shared.reorder_cache(group)  # each row gets its prompt's keys and values (differentiably)
+    return model(input_ids=input_ids[:, P - 1:-1], attention_mask=attention_mask[:, :-1],
+                 position_ids=position_ids[:, P - 1:-1], past_key_values=shared, use_cache=True).logits
 
 
 def micro_batches(rows: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -146,7 +94,7 @@ def micro_batches(rows: torch.Tensor, input_ids: torch.Tensor, attention_mask: t
     rarely in the same row: sorting by length and cutting each micro-batch to its own longest
     row skips most of it. Rows with the same prompt stay next to each other (sorted by their
     group's longest completion), so that a micro-batch holds whole groups whose prompt runs
-    once, and whose rows then run in buckets of similar length (see completion_logits). Normalizers stay the minibatch's (see aggregate), so the
+    once (see completion_logits). Normalizers stay the minibatch's (see aggregate), so the
     summed micro-batch gradients are still the minibatch's gradient."""
     C = num_completion_tokens
     P = attention_mask.shape[1] - C

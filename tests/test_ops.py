@@ -87,15 +87,11 @@ def test_batched_logprobs_equal_single_pass(tiny_policy, tokenizer):
     torch.testing.assert_close(chunked * completion_mask, full * completion_mask, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("pass_cost", [16, 0])
-def test_completions_of_one_prompt_share_its_forward(tiny_policy, tokenizer, monkeypatch, pass_cost):
+def test_completions_of_one_prompt_share_its_forward(tiny_policy, tokenizer):
     """Two groups of three completions (prompts of different lengths, completions of
     different lengths): micro_batches keeps each group in one micro-batch, the prompt runs
-    once per group, then the rows run in buckets of equal length when a pass costs nothing
-    (pass_cost 0) and all together when a pass costs more than the padding it saves (16);
-    the log-probs and their gradient are those of every row on its own either way."""
-    from common import ops
-    monkeypatch.setattr(ops, "PASS_COST_TOKENS", pass_cost)
+    once per group, and the log-probs and their gradient are those of every row on its own."""
+    from common.ops import micro_batches
 
     prompts = [tokenizer("sort 52813:")["input_ids"]] * 3 + [tokenizer("sort 91:")["input_ids"]] * 3
     completions = [tokenizer(s)["input_ids"] for s in ["12358", "1", "853", "19", "91", "1999"]]
@@ -109,10 +105,10 @@ def test_completions_of_one_prompt_share_its_forward(tiny_policy, tokenizer, mon
         return forward_logprobs(tiny_policy, ids, torch.ones_like(ids), len(completions[i]))[0]
     expected_grad = torch.autograd.grad(sum((i + 1.0) * row_alone(i).sum() for i in range(B)), params)
 
-    tokens_in, expected_tokens = [], []
+    tokens_in = []
     hook = tiny_policy.get_input_embeddings().register_forward_hook(lambda m, i, o: tokens_in.append(i[0].numel()))
-    micro = list(ops.micro_batches(torch.randperm(B, generator=torch.Generator().manual_seed(1)), input_ids,
-                                   attention_mask, C, 3))
+    micro = list(micro_batches(torch.randperm(B, generator=torch.Generator().manual_seed(1)), input_ids,
+                               attention_mask, C, 3))
     assert sorted(sorted(m.tolist()) for m, _, _ in micro) == [[0, 1, 2], [3, 4, 5]]  # whole groups
     loss = 0.0
     for rows, cols, c in micro:
@@ -120,13 +116,10 @@ def test_completions_of_one_prompt_share_its_forward(tiny_policy, tokenizer, mon
         for row, lp in zip(rows.tolist(), logprobs):
             torch.testing.assert_close(lp[:len(completions[row])], expected[row], atol=1e-5, rtol=1e-5)
         loss = loss + ((rows.unsqueeze(1) + 1.0) * logprobs * completion_mask[rows, :c]).sum()
-        # the group's prompt but its last token, once; then each bucket's rows, each (last prompt
-        # token + the bucket's longest completion - 1) tokens
-        lengths = [len(completions[row]) for row in rows.tolist()]
-        buckets = [[n] * lengths.count(n) for n in sorted(set(lengths))] if pass_cost == 0 else [lengths]
-        expected_tokens += [len(prompts[rows[0]]) - 1] + [len(b) * max(b) for b in buckets]
     hook.remove()
-    assert tokens_in == expected_tokens
+    # per group: its prompt but the last token once, then 3 rows of (last prompt token + completion - 1)
+    assert tokens_in == [len(prompts[0]) - 1, 3 * 5, len(prompts[3]) - 1, 3 * 4] or \
+        tokens_in == [len(prompts[3]) - 1, 3 * 4, len(prompts[0]) - 1, 3 * 5]
     for got, want in zip(torch.autograd.grad(loss, params), expected_grad):
         # fp32 rounding: the shared prompt sums three rows' gradients in another order (~2e-6 of the largest)
         torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=1e-4)
