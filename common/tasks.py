@@ -14,6 +14,7 @@ scores 0.
     --task countdown          reasoning-gym's countdown (small config, see RG_TASKS)
     --task basic_arithmetic   reasoning-gym's basic_arithmetic (small config)
     --task arithmetic         the same problems asking for \boxed{}, read leniently by math-verify
+    --task arithmetic:k=v,... the same with basic_arithmetic config overrides (arithmetic:max_terms=2)
     --task rg:NAME[:k=v,...]  any reasoning-gym dataset, its default config or these overrides
     --task jsonl:PATH         your own data: one {"prompt": ..., "answer": ...} per line,
                               checked like gsm8k; jsonl:TRAIN,EVAL for an explicit eval file
@@ -356,19 +357,19 @@ def make_rg_task(dataset: str, seed: int = 0, num_train: int | None = None, num_
     return Task(name or f"rg:{dataset}", train, eval_examples, reward)
 
 
-def make_arithmetic_task(seed: int = 0) -> Task:
-    """basic_arithmetic's problems (small config) asked and checked as GSM8K's: the prompt asks
-    for \\boxed{} and math-verify reads the final answer leniently (the last \\boxed{}, else
-    "the answer is ...", else the last number) and compares its value. A small model that states
-    the right number without the <answer> tags reasoning-gym asks for still scores, so
-    SmolLM2-135M-Instruct starts above 0 and has a gradient."""
+def make_arithmetic_task(seed: int = 0, overrides: dict | None = None, name: str = "arithmetic") -> Task:
+    """basic_arithmetic's problems (small config, plus `overrides`) asked and checked as GSM8K's:
+    the prompt asks for \\boxed{} and math-verify reads the final answer leniently (the last
+    \\boxed{}, else "the answer is ...", else the last number) and compares its value. A small
+    model that states the right number without the <answer> tags reasoning-gym asks for still
+    scores, so SmolLM2-135M-Instruct starts above 0 and has a gradient."""
     dataset, config = RG_TASKS["basic_arithmetic"]
-    problems = make_rg_task(dataset, seed=seed, config=config, name="arithmetic")
+    problems = make_rg_task(dataset, seed=seed, config={**config, **(overrides or {})}, name=name)
 
     def asked_for_boxed(e: dict) -> dict:
         return {**e, "prompt": f"{e['question'].rstrip()}\n{MATH_FORMAT}"}
 
-    return Task("arithmetic", [asked_for_boxed(e) for e in problems.train],
+    return Task(name, [asked_for_boxed(e) for e in problems.train],
                 [asked_for_boxed(e) for e in problems.eval], math_reward)
 
 
@@ -415,6 +416,8 @@ def _rg_from_spec(spec: str, seed: int) -> Task:
 
 # NAME:ARGUMENT spellings
 TASK_PREFIXES: dict[str, Callable[[str, int], Task]] = {
+    "arithmetic": lambda spec, seed: make_arithmetic_task(
+        seed, overrides=parse_rg_spec(f"basic_arithmetic:{spec}")[1], name=f"arithmetic:{spec}"),
     "gsm8k": lambda path, seed: make_gsm8k_task(seed=seed, source=path),
     "jsonl": lambda spec, seed: make_jsonl_task(spec, seed=seed),
     "rg": _rg_from_spec,
@@ -431,7 +434,7 @@ def load_task(name: str, seed: int = 0) -> Task:
         return user_task(name, seed)
     if name not in TASKS:
         raise ConfigError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}, "
-                          f"and the spellings sort:MIN-MAX, gsm8k:PATH, jsonl:PATH, rg:DATASET, FILE.py:FUNCTION")
+                          f"and the spellings sort:MIN-MAX, gsm8k:PATH, jsonl:PATH, rg:DATASET, arithmetic:k=v, FILE.py:FUNCTION")
     return TASKS[name](seed=seed)
 
 

@@ -213,6 +213,15 @@ def test_registry_and_rg_spelling():
     assert all(e["metadata"]["num_digits"] == 1 and e["metadata"]["num_terms"] == 2 for e in task.train[:100])
     with pytest.raises(ConfigError, match="reasoning-gym cannot create 'no_such_dataset'"):
         load_task("rg:no_such_dataset")
+    # arithmetic:k=v: the same overrides, the problems asked for \boxed{} and read by math-verify
+    easy = load_task("arithmetic:max_terms=2,max_digits=1", seed=0)
+    assert easy.name == "arithmetic:max_terms=2,max_digits=1"
+    assert all(e["metadata"]["num_digits"] == 1 and e["metadata"]["num_terms"] == 2 and
+               e["prompt"] == f"{e['question']}\n{MATH_FORMAT}" for e in easy.train[:100])
+    e = easy.eval[0]
+    assert easy.reward(f"\\boxed{{{e['answer']}}}", e) == 1.0 and easy.reward("\\boxed{100}", e) == 0.0
+    with pytest.raises(ConfigError, match="expected key=value, got 'max_terms'"):
+        load_task("arithmetic:max_terms")
     with pytest.raises(ConfigError, match=r"unknown task 'gsm9k'; known tasks: arithmetic, basic_arithmetic, "
                                           r"countdown, gsm8k, sort, sort-partial, and the spellings sort:MIN-MAX, "
                                           r"gsm8k:PATH, jsonl:PATH"):
