@@ -8,7 +8,6 @@ column P + j. `completion_mask` marks real completion tokens (EOS included).
 from __future__ import annotations
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 # the entropy is computed over slices of at most this many logits (2^26 fp32: 256 MiB)
 ENTROPY_SLICE = 2**26
@@ -24,26 +23,28 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     scored by the logits at columns P-1 .. P+C-2 (see completion_logits), divided by the
     sampling temperature first: the policy that generated the data is softmax(logits / T).
     The log-softmax runs in fp32 even under bf16 autocast (the main source of trainer/vLLM
-    mismatch otherwise). Returns [B, C] log-probs (and [B, C] entropies, detached, if asked).
+    mismatch otherwise). Returns [B, C] log-probs, 0 on completion padding (and [B, C]
+    entropies, detached, if asked).
 
-    Memory: [B, C, V] logits are the largest tensors of a step (16 x 512 x 152k in fp32 is
-    5 GB), so none is copied needlessly: the temperature divides in place, and the entropy
-    is computed a slice of positions at a time."""
+    Memory: the [N, V] logits of the N real completion tokens are the largest tensors of a
+    step (8k x 152k in fp32 is 5 GB), so none is copied needlessly: the temperature divides
+    in place, and the entropy is computed a slice of tokens at a time."""
     C = num_completion_tokens
+    real = attention_mask[:, -C:].bool()
     logits = completion_logits(model, input_ids, attention_mask, C).float()
     if temperature != 1.0:
         logits = logits.div_(temperature)  # in place: the model's output is not needed again
-    targets = input_ids[:, -C:]
     log_z = torch.logsumexp(logits, dim=-1)
-    logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z
+    token_logprobs = logits.gather(-1, input_ids[:, -C:][real].unsqueeze(-1)).squeeze(-1) - log_z
+    logprobs = token_logprobs.new_zeros(real.shape).masked_scatter(real, token_logprobs)
     if not with_entropy:
         return logprobs
     with torch.no_grad():
-        # H = log Z - sum_v p_v * logit_v, a slice of positions at a time: no second [B, C, V] tensor
-        step = max(1, ENTROPY_SLICE // (logits.shape[0] * logits.shape[-1]))
+        # H = log Z - sum_v p_v * logit_v, a slice of tokens at a time: no second [N, V] tensor
+        step = max(1, ENTROPY_SLICE // logits.shape[-1])
         entropy = torch.cat([z - (torch.softmax(chunk, dim=-1) * chunk).sum(-1)
-                             for chunk, z in zip(logits.detach().split(step, dim=1), log_z.split(step, dim=1))], dim=1)
-    return logprobs, entropy
+                             for chunk, z in zip(logits.detach().split(step), log_z.split(step))])
+    return logprobs, torch.zeros_like(logprobs).masked_scatter(real, entropy)
 
 
 def position_ids_of(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -52,35 +53,79 @@ def position_ids_of(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int):
-    """The model's logits at columns P-1 .. P+C-2, [B, C, V]: those that score the C completion tokens.
+    """The logits that score the real completion tokens, [N, V] with N = attention_mask[:, -C:].sum(),
+    in the row-major order of those tokens: completion token j of a row is scored by the logit
+    at its column P + j - 1.
 
-    Only those C logit rows go through the output layer (logits_to_keep). Position ids count
-    real tokens only, so left padding does not shift positions (vLLM starts every prompt at
-    position 0).
+    Padding costs as much compute as real tokens, and the G completions of a prompt repeat
+    it. So when it is cheaper (see pays_to_pack), the micro-batch runs as one packed row
+    (pack): each distinct prompt once, then each of its completions (but its last token,
+    which scores nothing), no padding, and an attention mask that lets a completion see
+    only its own prompt and its own earlier tokens; position ids restart with each prompt
+    and go on through each completion, as in vLLM. The same function of the weights as the
+    padded batch (autograd sums a shared prompt's gradient over its completions). Otherwise
+    the padded batch runs as it is; position ids count real tokens only, so left padding
+    does not shift positions. Either way only the N scoring rows go through the output
+    layer (logits_to_keep)."""
+    C = num_completion_tokens
+    packed = pack(model, input_ids, attention_mask, C)
+    if packed is not None:
+        ids, position_ids, mask, keep = packed
+        return model(input_ids=ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=keep,
+                     use_cache=False).logits[0]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask),
+                   logits_to_keep=C + 1, use_cache=False).logits[:, :-1]
+    return logits[attention_mask[:, -C:].bool()]
 
-    Rows with the same prompt (the G completions of a group) share its forward: the prompt
-    runs once, all but its last token, and keeps its attention keys and values; each row
-    then runs from its prompt's last token on top of its prompt's cache. The same function
-    of the weights (autograd sums the rows' gradients through the shared prompt), for fewer
-    tokens when prompts are long (the gain measured so far is small: benchmarks/README.md,
-    step time). Not under gradient
-    checkpointing, which turns the cache off in training, nor under FSDP (torchrun), whose
-    backward breaks when a sharded model runs twice before it ("setStorage: ... out of bounds")."""
+
+def pack(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int):
+    """The micro-batch as one row (see completion_logits): (input_ids [1, L], position_ids [1, L],
+    attention mask [1, 1, L, L], keep [N]: the column of the logit that scores each real
+    completion token, in row-major order); None if packing does not pay (pays_to_pack) or
+    the model's attention takes no custom mask (only transformers' sdpa and eager do)."""
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
     C = num_completion_tokens
     P = input_ids.shape[1] - C
-    position_ids = position_ids_of(attention_mask)
+    if attention not in ("sdpa", "eager") or P < 1:
+        return None
     prompts, group = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], dim=1), dim=0,
                                   return_inverse=True)
-    no_cache = model.training and getattr(model, "is_gradient_checkpointing", False)
-    if len(prompts) == len(input_ids) or P < 2 or no_cache or isinstance(model, FSDPModule):
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     logits_to_keep=C + 1, use_cache=False).logits[:, :-1]
-    prompt_ids, prompt_mask = prompts[:, :P - 1], prompts[:, P:2 * P - 1]  # each prompt but its last token
-    shared = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids_of(prompt_mask),
-                   logits_to_keep=1, use_cache=True).past_key_values
-    shared.reorder_cache(group)  # each row gets its prompt's keys and values (differentiably)
-    return model(input_ids=input_ids[:, P - 1:-1], attention_mask=attention_mask[:, :-1],
-                 position_ids=position_ids[:, P - 1:-1], past_key_values=shared, use_cache=True).logits
+    real = attention_mask.bool()
+    L = int(real[:, P:].sum() - real[:, P:].any(1).sum() + prompts[:, P:].sum())
+    if not pays_to_pack(L, input_ids.numel(), input_ids.shape[1], model.config.hidden_size):
+        return None
+    ids, positions, groups, rows, keep = [], [], [], [], [None] * len(input_ids)
+    for g in range(len(prompts)):
+        prompt = prompts[g, :P][prompts[g, P:].bool()]
+        last = sum(map(len, ids)) + len(prompt) - 1  # the column of the logit that scores a first token
+        ids.append(prompt), positions.append(torch.arange(len(prompt))), rows.append(torch.full_like(prompt, -1))
+        for i in (group == g).nonzero().flatten().tolist():
+            completion = input_ids[i, P:][real[i, P:]]
+            start = sum(map(len, ids))
+            keep[i] = start - 1 + torch.arange(len(completion))  # token j is scored at token j - 1's column,
+            keep[i][:1] = last  # the first one at its prompt's last token
+            ids.append(completion[:-1]), positions.append(len(prompt) + torch.arange(len(completion[:-1])))
+            rows.append(torch.full_like(completion[:-1], i))
+        groups.append(torch.full((sum(map(len, ids)) - sum(map(len, groups)),), g))
+    row, group_of = torch.cat(rows), torch.cat(groups)
+    # a token sees the earlier tokens of its own prompt's group that are prompt or its own completion
+    mask = torch.ones(L, L, dtype=torch.bool).tril_() & (group_of[:, None] == group_of[None, :]) & \
+        ((row[None, :] == -1) | (row[:, None] == row[None, :]))
+    if attention == "eager":  # eager attention adds its mask to the scores
+        mask = torch.zeros(L, L).masked_fill_(~mask, float("-inf"))
+    device = input_ids.device
+    return (torch.cat(ids)[None].to(device), torch.cat(positions)[None].to(device), mask[None, None].to(device),
+            torch.cat(keep).to(device))
+
+
+def pays_to_pack(packed_len: int, padded_tokens: int, padded_len: int, hidden_size: int) -> bool:
+    """Whether one packed row of packed_len tokens costs fewer FLOPs than the padded batch
+    (padded_tokens in rows of padded_len). Per layer a token costs ~24 d^2 in the linear
+    layers and ~4 d per token it attends to; packing turns many short attention spans into
+    one long one (quadratic), so long completions (GPU-sized runs) stay padded."""
+    def cost(tokens, span):
+        return tokens * (1 + span / (6 * hidden_size))
+    return cost(packed_len, packed_len) < cost(padded_tokens, padded_len)
 
 
 def micro_batches(rows: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -77,6 +77,53 @@ def test_position_shift_on_hand_made_sequence():
     assert (forward_logprobs(Counter(), wrong, torch.ones_like(wrong), 3)[0, 1:] < -40).all()
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_packed_row_gives_the_padded_batch_log_probs_and_gradient(tokenizer, monkeypatch, attention):
+    """A micro-batch packed into one row (each prompt once, no padding, a mask that lets a
+    completion see only its prompt and itself) gives the log-probs and gradient of the padded
+    batch: two groups with prompts and completions of different lengths and an empty
+    completion, under sdpa's boolean mask and eager attention's additive one."""
+    import common.ops
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import TINY_MODEL
+
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL, attn_implementation=attention)
+    prompts = [tokenizer("sort 52813:")["input_ids"]] * 3 + [tokenizer("sort 91:")["input_ids"]] * 2
+    completions = [tokenizer(s)["input_ids"] for s in ["12358", "1", "853", "19", ""]]
+    input_ids, attention_mask, completion_mask = make_batch(prompts, completions, tokenizer.pad_token_id, "cpu")
+    C = completion_mask.shape[1]
+    weights = torch.linspace(-1.0, 2.0, C)
+    batch_sizes = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: batch_sizes.append(i[0].shape))
+    results = []
+    for packed in (True, False):
+        monkeypatch.setattr(common.ops, "pays_to_pack", lambda *args: packed)
+        logprobs = forward_logprobs(model, input_ids, attention_mask, C, 0.7)
+        grad = torch.autograd.grad((logprobs * weights).sum(), [p for p in model.parameters()])
+        results.append((logprobs, grad))
+    hook.remove()
+    packed_len = len(prompts[0]) + len(prompts[3]) + sum(len(c) - 1 for c in completions if c)
+    assert batch_sizes == [(1, packed_len), input_ids.shape]  # one packed row, then the padded batch
+    (packed_logprobs, packed_grad), (padded_logprobs, padded_grad) = results
+    assert (packed_logprobs[completion_mask == 0] == 0).all() and (packed_logprobs[completion_mask == 1] < 0).all()
+    torch.testing.assert_close(packed_logprobs * completion_mask, padded_logprobs * completion_mask,
+                               atol=1e-5, rtol=1e-5)
+    for got, want in zip(packed_grad, padded_grad):
+        torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=1e-4)
+
+
+def test_packing_pays_for_short_rows_not_for_long_ones():
+    """FLOPs per layer, ~ tokens x (1 + span / 6d): SmolLM2 (d = 576) with 2 groups of 4
+    completions, 440 packed tokens against 8 padded rows of 95, packs (496 < 781); 16 rows of
+    1,200 tokens of a d = 1536 model (17,000 packed) stay padded (48,360 > 21,700)."""
+    from common.ops import pays_to_pack
+
+    assert pays_to_pack(440, 8 * 95, 95, 576)
+    assert not pays_to_pack(17_000, 16 * 1200, 1200, 1536)
+    assert not pays_to_pack(100, 100, 100, 576)  # nothing to save: a row with no padding
+
+
 def test_batched_logprobs_equal_single_pass(tiny_policy, tokenizer):
     prompts = [tokenizer(f"sort {d}:")["input_ids"] for d in ["123", "98765", "4", "55555555"]]
     completions = [tokenizer(s)["input_ids"] for s in ["123", "5678", "4", "5"]]
@@ -89,8 +136,9 @@ def test_batched_logprobs_equal_single_pass(tiny_policy, tokenizer):
 
 def test_completions_of_one_prompt_share_its_forward(tiny_policy, tokenizer):
     """Two groups of three completions (prompts of different lengths, completions of
-    different lengths): micro_batches keeps each group in one micro-batch, the prompt runs
-    once per group, and the log-probs and their gradient are those of every row on its own."""
+    different lengths): micro_batches keeps each group in one micro-batch, which runs packed
+    (the prompt once, no padding), and the log-probs and their gradient are those of every
+    row on its own."""
     from common.ops import micro_batches
 
     prompts = [tokenizer("sort 52813:")["input_ids"]] * 3 + [tokenizer("sort 91:")["input_ids"]] * 3
@@ -117,9 +165,9 @@ def test_completions_of_one_prompt_share_its_forward(tiny_policy, tokenizer):
             torch.testing.assert_close(lp[:len(completions[row])], expected[row], atol=1e-5, rtol=1e-5)
         loss = loss + ((rows.unsqueeze(1) + 1.0) * logprobs * completion_mask[rows, :c]).sum()
     hook.remove()
-    # per group: its prompt but the last token once, then 3 rows of (last prompt token + completion - 1)
-    assert tokens_in == [len(prompts[0]) - 1, 3 * 5, len(prompts[3]) - 1, 3 * 4] or \
-        tokens_in == [len(prompts[3]) - 1, 3 * 4, len(prompts[0]) - 1, 3 * 5]
+    # one packed row per micro-batch, no padding: its prompt once, then each completion but its last token
+    packed = [len(prompts[i]) + sum(len(c) - 1 for c in completions[i:i + 3]) for i in (0, 3)]
+    assert sorted(tokens_in) == sorted(packed) and packed[0] < 3 * (len(prompts[0]) + 5)
     for got, want in zip(torch.autograd.grad(loss, params), expected_grad):
         # fp32 rounding: the shared prompt sums three rows' gradients in another order (~2e-6 of the largest)
         torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=1e-4)
