@@ -265,14 +265,29 @@ def _keep_cpu_weights() -> None:
     layer_utils.dispatch_cpu_unquantized_gemm = pack_keeping_weights
 
 
+def _eager_token_ranks() -> None:
+    """CPU only: count a sampled token's rank eagerly instead of through torch.compile.
+
+    With log-probs asked for, vLLM's sampler also ranks each sampled token with a
+    torch.compile'd helper (batched_count_greater_than, compiled to save GPU memory); the first
+    sampled rollout of every run compiled it (~2.5 s of the tiny job's first step,
+    benchmarks/first_rollout.py). On CPU the same count, done eagerly, costs microseconds."""
+    import vllm.v1.sample.sampler as sampler
+
+    def batched_count_greater_than(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return (x >= values).sum(-1)
+
+    sampler.batched_count_greater_than = batched_count_greater_than
+
+
 def create_engine(name_or_path: str, seed: int, max_model_len: int, dtype: str = "float32",
                   gpu_memory_utilization: float = 0.3, cpu_kv_cache_gib: int = 1,
                   enforce_eager: bool | None = None, sleep_mode: bool = True):
     """An in-process vLLM engine for rollouts, seeded once (never per request).
 
     On CPU the KV cache is sized by cpu_kv_cache_gib (vLLM would take most of the RAM),
-    and linear weights are kept beside their packed copies so that sync_weights() can update
-    them. enforce_eager skips vLLM's torch.compile warm-up; the default is eager on CPU, where
+    linear weights are kept beside their packed copies so that sync_weights() can update
+    them, and sampled tokens are ranked without torch.compile (_eager_token_ranks). enforce_eager skips vLLM's torch.compile warm-up; the default is eager on CPU, where
     the compiled graphs are never reused across runs (vLLM recompiles every start): that saves
     ~8 s of start-up for the tiny model and ~40-55 s for SmolLM2-135M on 2 cores, for ~10-20%
     slower generation. On GPU vLLM compiles.
@@ -287,6 +302,7 @@ def create_engine(name_or_path: str, seed: int, max_model_len: int, dtype: str =
         # which would leave training in this process on one core.
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         _keep_cpu_weights()
+        _eager_token_ranks()
     from vllm import LLM
 
     kwargs = {} if on_cpu else {"gpu_memory_utilization": gpu_memory_utilization}

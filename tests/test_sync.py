@@ -59,6 +59,25 @@ def test_engine_keeps_plain_cpu_weights(llm):
     assert qkv.weight.numel() > 0
 
 
+def test_sampled_tokens_are_ranked_without_compiling(llm, tokenizer):
+    """vLLM ranks each sampled token (with log-probs asked for) with a torch.compile'd helper
+    that the first sampled rollout of every run compiled; on CPU the engine ranks them eagerly
+    (create_engine): the compiled helper never runs, and a rank is the number of tokens at
+    least as likely as the sampled one, by vLLM's own top-20 log-probs (which hold every token
+    at least as likely as a sampled one of rank <= 20)."""
+    from vllm.v1.sample.ops import logprobs as vllm_logprobs
+
+    prompt = tokenizer("sort 52813:")["input_ids"]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=4, temperature=1.0, max_tokens=8, logprobs=20),
+                       use_tqdm=False)[0]
+    ranks = [(candidates[token].rank, sum(lp.logprob >= candidates[token].logprob for lp in candidates.values()))
+             for completion in out.outputs for token, candidates in zip(completion.token_ids, completion.logprobs)]
+    checked = [(rank, count) for rank, count in ranks if rank <= 20]
+    assert len(checked) > len(ranks) / 2 and all(rank == count for rank, count in checked)
+    compiled_code = vllm_logprobs.batched_count_greater_than._torchdynamo_orig_callable.__code__
+    assert torch._C._dynamo.eval_frame._debug_get_cache_entry_list(compiled_code) == []
+
+
 def test_sleep_mode_cycle_wakes_the_engine_before_sampling_and_its_weights_before_a_sync(llm, run_main, tmp_path,
                                                                                        monkeypatch):
     """vLLM's sleep mode exists on CUDA only: here it is simulated on the session engine.
