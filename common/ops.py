@@ -91,31 +91,32 @@ def pack(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_compl
     prompts, group = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], dim=1), dim=0,
                                   return_inverse=True)
     real = attention_mask.bool()
-    L = int(real[:, P:].sum() - real[:, P:].any(1).sum() + prompts[:, P:].sum())
-    if not pays_to_pack(L, input_ids.numel(), input_ids.shape[1], model.config.hidden_size):
-        return None
-    ids, positions, groups, rows, keep = [], [], [], [], [None] * len(input_ids)
-    for g in range(len(prompts)):
-        prompt = prompts[g, :P][prompts[g, P:].bool()]
-        last = sum(map(len, ids)) + len(prompt) - 1  # the column of the logit that scores a first token
-        ids.append(prompt), positions.append(torch.arange(len(prompt))), rows.append(torch.full_like(prompt, -1))
+    pieces, keep, n = [], [None] * len(input_ids), 0  # (token ids, first position, row or -1, group); columns so far
+    for g, prompt in enumerate(prompts):
+        prompt = prompt[:P][prompt[P:].bool()]
+        pieces.append((prompt, 0, -1, g))
+        n += len(prompt)
+        last = n - 1  # the prompt's last token: its logit scores each completion's first token
         for i in (group == g).nonzero().flatten().tolist():
             completion = input_ids[i, P:][real[i, P:]]
-            start = sum(map(len, ids))
-            keep[i] = start - 1 + torch.arange(len(completion))  # token j is scored at token j - 1's column,
-            keep[i][:1] = last  # the first one at its prompt's last token
-            ids.append(completion[:-1]), positions.append(len(prompt) + torch.arange(len(completion[:-1])))
-            rows.append(torch.full_like(completion[:-1], i))
-        groups.append(torch.full((sum(map(len, ids)) - sum(map(len, groups)),), g))
-    row, group_of = torch.cat(rows), torch.cat(groups)
-    # a token sees the earlier tokens of its own prompt's group that are prompt or its own completion
+            keep[i] = n - 1 + torch.arange(len(completion))  # token j > 0 is scored at token j - 1's column
+            keep[i][:1] = last
+            pieces.append((completion[:-1], len(prompt), i, g))  # its last token scores nothing
+            n += len(completion[:-1])
+    L = n
+    if not pays_to_pack(L, input_ids.numel(), input_ids.shape[1], model.config.hidden_size):
+        return None
+    ids = torch.cat([tokens for tokens, _, _, _ in pieces])
+    position_ids = torch.cat([first + torch.arange(len(tokens)) for tokens, first, _, _ in pieces])
+    row = torch.cat([torch.full((len(tokens),), r) for tokens, _, r, _ in pieces])
+    group_of = torch.cat([torch.full((len(tokens),), g) for tokens, _, _, g in pieces])
+    # a token sees the earlier tokens of its own group that are its prompt or its own completion
     mask = torch.ones(L, L, dtype=torch.bool).tril_() & (group_of[:, None] == group_of[None, :]) & \
         ((row[None, :] == -1) | (row[:, None] == row[None, :]))
     if attention == "eager":  # eager attention adds its mask to the scores
         mask = torch.zeros(L, L).masked_fill_(~mask, float("-inf"))
     device = input_ids.device
-    return (torch.cat(ids)[None].to(device), torch.cat(positions)[None].to(device), mask[None, None].to(device),
-            torch.cat(keep).to(device))
+    return ids[None].to(device), position_ids[None].to(device), mask[None, None].to(device), torch.cat(keep).to(device)
 
 
 def pays_to_pack(packed_len: int, padded_tokens: int, padded_len: int, hidden_size: int) -> bool:
