@@ -270,8 +270,9 @@ def _eager_token_ranks() -> None:
 
     With log-probs asked for, vLLM's sampler also ranks each sampled token with a
     torch.compile'd helper (batched_count_greater_than, compiled to save GPU memory); the first
-    sampled rollout of every run compiled it (~2.5 s of the tiny job's first step,
-    benchmarks/first_rollout.py). On CPU the same count, done eagerly, costs microseconds."""
+    sampled rollout of every run compiled it. On CPU the same count is done eagerly: the tiny
+    job's first rollout went 2.76 -> 0.59 s, the later ones did not change (benchmarks/README.md,
+    step time; benchmarks/first_rollout.py)."""
     import vllm.v1.sample.sampler as sampler
 
     def batched_count_greater_than(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -287,8 +288,9 @@ def create_engine(name_or_path: str, seed: int, max_model_len: int, dtype: str =
 
     On CPU the KV cache is sized by cpu_kv_cache_gib (vLLM would take most of the RAM),
     linear weights are kept beside their packed copies so that sync_weights() can update
-    them, and sampled tokens are ranked without torch.compile (_eager_token_ranks). enforce_eager skips vLLM's torch.compile warm-up; the default is eager on CPU, where
-    the compiled graphs are never reused across runs (vLLM recompiles every start): that saves
+    them, and sampled tokens are ranked without torch.compile (_eager_token_ranks).
+    enforce_eager skips vLLM's torch.compile warm-up; the default is eager on CPU, where the
+    compiled graphs are never reused across runs (vLLM recompiles every start): that saves
     ~8 s of start-up for the tiny model and ~40-55 s for SmolLM2-135M on 2 cores, for ~10-20%
     slower generation. On GPU vLLM compiles.
     sleep_mode (CUDA only; vLLM has none on CPU): see awake()."""

@@ -103,7 +103,7 @@ def pack(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_compl
             keep[i][:1] = last
             pieces.append((completion[:-1], len(prompt), i, g))  # its last token scores nothing
             n += len(completion[:-1])
-    L = n
+    L = n  # the packed row's length
     if not pays_to_pack(L, input_ids.numel(), input_ids.shape[1], model.config.hidden_size):
         return None
     ids = torch.cat([tokens for tokens, _, _, _ in pieces])
