@@ -8,7 +8,7 @@ only cap how much weight an off-policy token gets,
     r_t  = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t),     sg = stop-gradient
     w_t  = min(pi_old(y_t) / pi_vllm(y_t), C)              (--vllm-is-cap C; vLLM's own numerics; 1 when off)
     A_i  = (R_i - mean_j R_j) / (std_j R_j + eps)         (--no-scale-rewards: no std)
-    KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1     (the k3 estimator)
+    KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1     (k3; the paper uses none: --kl-coef 0)
 
 In PPO/GRPO a token whose ratio left the clip range gets no gradient at all, which drops
 the rare, low-probability tokens that RL most needs to reinforce; CISPO keeps them. As in
@@ -105,8 +105,8 @@ class Args:
     """lower bound of the IS weight: 1 - eps_low (1.0: no lower bound, as in the paper)"""
     eps_high: float = 0.28
     """upper bound of the IS weight: 1 + eps_high (the paper tunes only this one)"""
-    kl_coef: float = 0.04
-    """beta, weight of the k3 KL to the reference in the loss; 0 loads no reference model"""
+    kl_coef: float = 0.0
+    """beta, weight of the k3 KL to the reference in the loss (the paper: none); 0 loads no reference model"""
     scale_rewards: bool = True
     """divide group-centered rewards by the group std (Dr. GRPO: --no-scale-rewards with
     --loss-agg seq-mean-token-sum-norm)"""
@@ -185,6 +185,49 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, vllm_is_weigh
         stats["policy/clip_frac"] = masked_mean(clipped.float(), mask)
         stats["policy/approx_kl"] = masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask)
     return loss, stats
+
+
+def update(policy, optimizer, scheduler, args: Args, vllm_is_cap: float, autocast_dtype, input_ids, attention_mask,
+           completion_mask, loss_mask, old_logprobs, ref_logprobs, vllm_logprobs, advantages):
+    """Step 5 on one rollout batch ([B, C] tensors, advantages [B]): num_epochs x num_minibatches
+    optimizer steps, each loss accumulated over micro-batches. old_logprobs None: one optimizer
+    step on the batch, so pi_old is the very policy the update differentiates, and its own forward
+    gives them (detached). Returns the per-micro-batch statistics and the old log-probs."""
+    (B, C), device = loss_mask.shape, input_ids.device.type
+    reuse_forward = old_logprobs is None
+    if reuse_forward:  # filled as the update reaches each micro-batch
+        old_logprobs = torch.zeros(B, C, device=device)
+    policy.train()
+    step_stats = defaultdict(list)
+    for epoch in range(args.num_epochs):
+        for mb in torch.randperm(B, device=device).split(B // args.num_minibatches):
+            num_tokens, num_seqs = dist.minibatch_totals(loss_mask[mb])  # over all ranks
+            mb_loss = 0.0
+            # micro-batches of similar length, each cut to its longest row: [micro, :c] lines up
+            for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
+                with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                    logprobs, entropy = forward_logprobs(policy, input_ids[micro, cols], attention_mask[micro, cols],
+                                                         c, args.temperature, with_entropy=True)
+                if reuse_forward:
+                    old_logprobs[micro, :c] = logprobs.detach()
+                # vLLM sampled from its own numerics, not exactly pi_old: truncated importance weights
+                vllm_is_weights = truncated_is_weights(old_logprobs[micro, :c], vllm_logprobs[micro, :c], vllm_is_cap)
+                loss, stats = compute_loss(logprobs, old_logprobs[micro, :c],
+                                           None if ref_logprobs is None else ref_logprobs[micro, :c],
+                                           advantages[micro], vllm_is_weights, loss_mask[micro, :c], args,
+                                           num_tokens, num_seqs)
+                loss.backward()  # micro-batch losses add up to the minibatch loss
+                mb_loss += loss.item()
+                stats["policy/entropy"] = masked_mean(entropy, completion_mask[micro, :c])
+                for k, v in stats.items():
+                    step_stats[k].append(float(v))
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step_stats["loss/total"].append(mb_loss)
+            step_stats["optim/grad_norm"].append(float(grad_norm))
+    return step_stats, old_logprobs
 
 
 def main(args: Args) -> None:
@@ -284,13 +327,13 @@ def main(args: Args) -> None:
                 # one optimizer step on this batch (one epoch, one minibatch): pi_old is the very policy the
                 # update differentiates, so the update's own forward gives old_logprobs (detached), exactly
                 reuse_forward = args.num_epochs == 1 and args.num_minibatches == 1
-                old_logprobs = torch.zeros(B, C, device=device) if reuse_forward else batched_logprobs(
+                old_logprobs = None if reuse_forward else batched_logprobs(
                     policy, input_ids, attention_mask, C, args.temperature, args.micro_batch_size, autocast_dtype)
                 ref_logprobs = None
                 if ref_model is not None:
                     ref_logprobs = batched_logprobs(ref_model, input_ids, attention_mask, C, args.temperature,
                                                     args.micro_batch_size, autocast_dtype)
-                vllm_logprobs = torch.zeros_like(old_logprobs)
+                vllm_logprobs = torch.zeros(B, C, device=device)
                 for i, c in enumerate(completions):
                     vllm_logprobs[i, :len(c.token_ids)] = torch.tensor(
                         [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
@@ -300,38 +343,9 @@ def main(args: Args) -> None:
 
             # ---------------------------------------------------------------- 5. update
             with timed(times, "train"):
-                policy.train()
-                step_stats = defaultdict(list)
-                for epoch in range(args.num_epochs):
-                    for mb in torch.randperm(B, device=device).split(B // args.num_minibatches):
-                        num_tokens, num_seqs = dist.minibatch_totals(loss_mask[mb])  # over all ranks
-                        mb_loss = 0.0
-                        # micro-batches of similar length, each cut to its longest row: [micro, :c] lines up
-                        for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
-                            with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                                logprobs, entropy = forward_logprobs(policy, input_ids[micro, cols],
-                                                                     attention_mask[micro, cols], c, args.temperature,
-                                                                     with_entropy=True)
-                            if reuse_forward:  # filled as the update reaches each micro-batch
-                                old_logprobs[micro, :c] = logprobs.detach()
-                            # vLLM sampled from its own numerics, not exactly pi_old: truncated importance weights
-                            vllm_is_weights = truncated_is_weights(old_logprobs[micro, :c], vllm_logprobs[micro, :c],
-                                                                   vllm_is_cap)
-                            loss, stats = compute_loss(
-                                logprobs, old_logprobs[micro, :c],
-                                None if ref_logprobs is None else ref_logprobs[micro, :c], advantages[micro],
-                                vllm_is_weights, loss_mask[micro, :c], args, num_tokens, num_seqs)
-                            loss.backward()  # micro-batch losses add up to the minibatch loss
-                            mb_loss += loss.item()
-                            stats["policy/entropy"] = masked_mean(entropy, completion_mask[micro, :c])
-                            for k, v in stats.items():
-                                step_stats[k].append(float(v))
-                        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                        optimizer.step()
-                        scheduler.step()
-                        optimizer.zero_grad(set_to_none=True)
-                        step_stats["loss/total"].append(mb_loss)
-                        step_stats["optim/grad_norm"].append(float(grad_norm))
+                step_stats, old_logprobs = update(policy, optimizer, scheduler, args, vllm_is_cap, autocast_dtype,
+                                                  input_ids, attention_mask, completion_mask, loss_mask, old_logprobs,
+                                                  ref_logprobs, vllm_logprobs, advantages)
                 if args.ref_update_every and ref_model is not None and (step + 1) % args.ref_update_every == 0:
                     ref_model.load_state_dict(policy.state_dict())
 

@@ -191,6 +191,49 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, vllm_is_weigh
     return loss, stats
 
 
+def update(policy, optimizer, scheduler, args: Args, vllm_is_cap: float, autocast_dtype, input_ids, attention_mask,
+           completion_mask, loss_mask, old_logprobs, ref_logprobs, vllm_logprobs, advantages):
+    """Step 5 on one rollout batch ([B, C] tensors, advantages [B]): num_epochs x num_minibatches
+    optimizer steps, each loss accumulated over micro-batches. old_logprobs None: one optimizer
+    step on the batch, so pi_old is the very policy the update differentiates, and its own forward
+    gives them (detached). Returns the per-micro-batch statistics and the old log-probs."""
+    (B, C), device = loss_mask.shape, input_ids.device.type
+    reuse_forward = old_logprobs is None
+    if reuse_forward:  # filled as the update reaches each micro-batch
+        old_logprobs = torch.zeros(B, C, device=device)
+    policy.train()
+    step_stats = defaultdict(list)
+    for epoch in range(args.num_epochs):
+        for mb in torch.randperm(B, device=device).split(B // args.num_minibatches):
+            num_tokens, num_seqs = dist.minibatch_totals(loss_mask[mb])  # over all ranks
+            mb_loss = 0.0
+            # micro-batches of similar length, each cut to its longest row: [micro, :c] lines up
+            for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
+                with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                    logprobs, entropy = forward_logprobs(policy, input_ids[micro, cols], attention_mask[micro, cols],
+                                                         c, args.temperature, with_entropy=True)
+                if reuse_forward:
+                    old_logprobs[micro, :c] = logprobs.detach()
+                # vLLM sampled from its own numerics, not exactly pi_old: truncated importance weights
+                vllm_is_weights = truncated_is_weights(old_logprobs[micro, :c], vllm_logprobs[micro, :c], vllm_is_cap)
+                loss, stats = compute_loss(logprobs, old_logprobs[micro, :c],
+                                           None if ref_logprobs is None else ref_logprobs[micro, :c],
+                                           advantages[micro], vllm_is_weights, loss_mask[micro, :c], args,
+                                           num_tokens, num_seqs)
+                loss.backward()  # micro-batch losses add up to the minibatch loss
+                mb_loss += loss.item()
+                stats["policy/entropy"] = masked_mean(entropy, completion_mask[micro, :c])
+                for k, v in stats.items():
+                    step_stats[k].append(float(v))
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step_stats["loss/total"].append(mb_loss)
+            step_stats["optim/grad_norm"].append(float(grad_norm))
+    return step_stats, old_logprobs
+
+
 def main(args: Args) -> None:
     # ---------------------------------------------------------------- setup
     device = dist.init()  # under torchrun: the ranks' process group, before vLLM exists (see common/dist.py)
@@ -288,13 +331,13 @@ def main(args: Args) -> None:
                 # one optimizer step on this batch (one epoch, one minibatch): pi_old is the very policy the
                 # update differentiates, so the update's own forward gives old_logprobs (detached), exactly
                 reuse_forward = args.num_epochs == 1 and args.num_minibatches == 1
-                old_logprobs = torch.zeros(B, C, device=device) if reuse_forward else batched_logprobs(
+                old_logprobs = None if reuse_forward else batched_logprobs(
                     policy, input_ids, attention_mask, C, args.temperature, args.micro_batch_size, autocast_dtype)
                 ref_logprobs = None
                 if ref_model is not None:
                     ref_logprobs = batched_logprobs(ref_model, input_ids, attention_mask, C, args.temperature,
                                                     args.micro_batch_size, autocast_dtype)
-                vllm_logprobs = torch.zeros_like(old_logprobs)
+                vllm_logprobs = torch.zeros(B, C, device=device)
                 for i, c in enumerate(completions):
                     vllm_logprobs[i, :len(c.token_ids)] = torch.tensor(
                         [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
@@ -304,38 +347,9 @@ def main(args: Args) -> None:
 
             # ---------------------------------------------------------------- 5. update
             with timed(times, "train"):
-                policy.train()
-                step_stats = defaultdict(list)
-                for epoch in range(args.num_epochs):
-                    for mb in torch.randperm(B, device=device).split(B // args.num_minibatches):
-                        num_tokens, num_seqs = dist.minibatch_totals(loss_mask[mb])  # over all ranks
-                        mb_loss = 0.0
-                        # micro-batches of similar length, each cut to its longest row: [micro, :c] lines up
-                        for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
-                            with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                                logprobs, entropy = forward_logprobs(policy, input_ids[micro, cols],
-                                                                     attention_mask[micro, cols], c, args.temperature,
-                                                                     with_entropy=True)
-                            if reuse_forward:  # filled as the update reaches each micro-batch
-                                old_logprobs[micro, :c] = logprobs.detach()
-                            # vLLM sampled from its own numerics, not exactly pi_old: truncated importance weights
-                            vllm_is_weights = truncated_is_weights(old_logprobs[micro, :c], vllm_logprobs[micro, :c],
-                                                                   vllm_is_cap)
-                            loss, stats = compute_loss(
-                                logprobs, old_logprobs[micro, :c],
-                                None if ref_logprobs is None else ref_logprobs[micro, :c], advantages[micro],
-                                vllm_is_weights, loss_mask[micro, :c], args, num_tokens, num_seqs)
-                            loss.backward()  # micro-batch losses add up to the minibatch loss
-                            mb_loss += loss.item()
-                            stats["policy/entropy"] = masked_mean(entropy, completion_mask[micro, :c])
-                            for k, v in stats.items():
-                                step_stats[k].append(float(v))
-                        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                        optimizer.step()
-                        scheduler.step()
-                        optimizer.zero_grad(set_to_none=True)
-                        step_stats["loss/total"].append(mb_loss)
-                        step_stats["optim/grad_norm"].append(float(grad_norm))
+                step_stats, old_logprobs = update(policy, optimizer, scheduler, args, vllm_is_cap, autocast_dtype,
+                                                  input_ids, attention_mask, completion_mask, loss_mask, old_logprobs,
+                                                  ref_logprobs, vllm_logprobs, advantages)
                 if args.ref_update_every and ref_model is not None and (step + 1) % args.ref_update_every == 0:
                     ref_model.load_state_dict(policy.state_dict())
 

@@ -10,7 +10,7 @@ and the clipped surrogate is applied per sequence, averaged over sequences:
 
     L = mean_i [ -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i) * w_i ] + beta * agg_{i,t} KL_t
     w_i  = exp( mean_t log min(pi_old(y_t) / pi_vllm(y_t), C) )  (--vllm-is-cap C: vLLM's numerics; 1 when off)
-    KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1     (the k3 estimator; the paper uses none)
+    KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1     (k3; the paper uses none: --kl-coef 0)
 
 A sequence is kept or clipped as a whole, so one outlier token can't dominate. s_i moves
 much less than a token ratio: the paper's ranges are tiny (eps_low 3e-4, eps_high 4e-4).
@@ -106,8 +106,8 @@ class Args:
     """lower clip range: the sequence ratio is clipped at 1 - eps_low"""
     eps_high: float = 4e-4
     """upper clip range: the sequence ratio is clipped at 1 + eps_high"""
-    kl_coef: float = 0.04
-    """beta, weight of the k3 KL to the reference in the loss; 0 loads no reference model"""
+    kl_coef: float = 0.0
+    """beta, weight of the k3 KL to the reference in the loss (the paper: none); 0 loads no reference model"""
     scale_rewards: bool = True
     """divide group-centered rewards by the group std (Dr. GRPO: --no-scale-rewards with
     --loss-agg seq-mean-token-sum-norm)"""
@@ -191,6 +191,49 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, vllm_is_weigh
         stats["policy/clip_frac"] = clipped[has_tokens].float().mean() if has_tokens.any() else torch.tensor(0.0)
         stats["policy/approx_kl"] = masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask)
     return loss, stats
+
+
+def update(policy, optimizer, scheduler, args: Args, vllm_is_cap: float, autocast_dtype, input_ids, attention_mask,
+           completion_mask, loss_mask, old_logprobs, ref_logprobs, vllm_logprobs, advantages):
+    """Step 5 on one rollout batch ([B, C] tensors, advantages [B]): num_epochs x num_minibatches
+    optimizer steps, each loss accumulated over micro-batches. old_logprobs None: one optimizer
+    step on the batch, so pi_old is the very policy the update differentiates, and its own forward
+    gives them (detached). Returns the per-micro-batch statistics and the old log-probs."""
+    (B, C), device = loss_mask.shape, input_ids.device.type
+    reuse_forward = old_logprobs is None
+    if reuse_forward:  # filled as the update reaches each micro-batch
+        old_logprobs = torch.zeros(B, C, device=device)
+    policy.train()
+    step_stats = defaultdict(list)
+    for epoch in range(args.num_epochs):
+        for mb in torch.randperm(B, device=device).split(B // args.num_minibatches):
+            num_tokens, num_seqs = dist.minibatch_totals(loss_mask[mb])  # over all ranks
+            mb_loss = 0.0
+            # micro-batches of similar length, each cut to its longest row: [micro, :c] lines up
+            for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
+                with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                    logprobs, entropy = forward_logprobs(policy, input_ids[micro, cols], attention_mask[micro, cols],
+                                                         c, args.temperature, with_entropy=True)
+                if reuse_forward:
+                    old_logprobs[micro, :c] = logprobs.detach()
+                # vLLM sampled from its own numerics, not exactly pi_old: truncated importance weights
+                vllm_is_weights = truncated_is_weights(old_logprobs[micro, :c], vllm_logprobs[micro, :c], vllm_is_cap)
+                loss, stats = compute_loss(logprobs, old_logprobs[micro, :c],
+                                           None if ref_logprobs is None else ref_logprobs[micro, :c],
+                                           advantages[micro], vllm_is_weights, loss_mask[micro, :c], args,
+                                           num_tokens, num_seqs)
+                loss.backward()  # micro-batch losses add up to the minibatch loss
+                mb_loss += loss.item()
+                stats["policy/entropy"] = masked_mean(entropy, completion_mask[micro, :c])
+                for k, v in stats.items():
+                    step_stats[k].append(float(v))
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step_stats["loss/total"].append(mb_loss)
+            step_stats["optim/grad_norm"].append(float(grad_norm))
+    return step_stats, old_logprobs
 
 
 def main(args: Args) -> None:
@@ -290,13 +333,13 @@ def main(args: Args) -> None:
                 # one optimizer step on this batch (one epoch, one minibatch): pi_old is the very policy the
                 # update differentiates, so the update's own forward gives old_logprobs (detached), exactly
                 reuse_forward = args.num_epochs == 1 and args.num_minibatches == 1
-                old_logprobs = torch.zeros(B, C, device=device) if reuse_forward else batched_logprobs(
+                old_logprobs = None if reuse_forward else batched_logprobs(
                     policy, input_ids, attention_mask, C, args.temperature, args.micro_batch_size, autocast_dtype)
                 ref_logprobs = None
                 if ref_model is not None:
                     ref_logprobs = batched_logprobs(ref_model, input_ids, attention_mask, C, args.temperature,
                                                     args.micro_batch_size, autocast_dtype)
-                vllm_logprobs = torch.zeros_like(old_logprobs)
+                vllm_logprobs = torch.zeros(B, C, device=device)
                 for i, c in enumerate(completions):
                     vllm_logprobs[i, :len(c.token_ids)] = torch.tensor(
                         [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
@@ -306,38 +349,9 @@ def main(args: Args) -> None:
 
             # ---------------------------------------------------------------- 5. update
             with timed(times, "train"):
-                policy.train()
-                step_stats = defaultdict(list)
-                for epoch in range(args.num_epochs):
-                    for mb in torch.randperm(B, device=device).split(B // args.num_minibatches):
-                        num_tokens, num_seqs = dist.minibatch_totals(loss_mask[mb])  # over all ranks
-                        mb_loss = 0.0
-                        # micro-batches of similar length, each cut to its longest row: [micro, :c] lines up
-                        for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
-                            with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                                logprobs, entropy = forward_logprobs(policy, input_ids[micro, cols],
-                                                                     attention_mask[micro, cols], c, args.temperature,
-                                                                     with_entropy=True)
-                            if reuse_forward:  # filled as the update reaches each micro-batch
-                                old_logprobs[micro, :c] = logprobs.detach()
-                            # vLLM sampled from its own numerics, not exactly pi_old: truncated importance weights
-                            vllm_is_weights = truncated_is_weights(old_logprobs[micro, :c], vllm_logprobs[micro, :c],
-                                                                   vllm_is_cap)
-                            loss, stats = compute_loss(
-                                logprobs, old_logprobs[micro, :c],
-                                None if ref_logprobs is None else ref_logprobs[micro, :c], advantages[micro],
-                                vllm_is_weights, loss_mask[micro, :c], args, num_tokens, num_seqs)
-                            loss.backward()  # micro-batch losses add up to the minibatch loss
-                            mb_loss += loss.item()
-                            stats["policy/entropy"] = masked_mean(entropy, completion_mask[micro, :c])
-                            for k, v in stats.items():
-                                step_stats[k].append(float(v))
-                        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                        optimizer.step()
-                        scheduler.step()
-                        optimizer.zero_grad(set_to_none=True)
-                        step_stats["loss/total"].append(mb_loss)
-                        step_stats["optim/grad_norm"].append(float(grad_norm))
+                step_stats, old_logprobs = update(policy, optimizer, scheduler, args, vllm_is_cap, autocast_dtype,
+                                                  input_ids, attention_mask, completion_mask, loss_mask, old_logprobs,
+                                                  ref_logprobs, vllm_logprobs, advantages)
                 if args.ref_update_every and ref_model is not None and (step + 1) % args.ref_update_every == 0:
                     ref_model.load_state_dict(policy.state_dict())
 

@@ -300,6 +300,46 @@ def compute_loss(logprobs, old_logprobs, advantages, values, old_values, returns
     return loss, stats
 
 
+def update(policy, critic, optimizer, scheduler, args: Args, vllm_is_cap: float, autocast_dtype, input_ids,
+           attention_mask, completion_mask, loss_mask, old_logprobs, vllm_logprobs, advantages, old_values, returns):
+    """Step 5 on one rollout batch ([B, C] tensors): num_epochs x num_minibatches optimizer steps of
+    policy and critic, each loss accumulated over micro-batches. Returns the per-micro-batch
+    statistics and the old log-probs."""
+    (B, C), device = loss_mask.shape, input_ids.device.type
+    policy.train()
+    critic.train()
+    step_stats = defaultdict(list)
+    for epoch in range(args.num_epochs):
+        for mb in torch.randperm(B, device=device).split(B // args.num_minibatches):
+            num_tokens, num_seqs = dist.minibatch_totals(loss_mask[mb])  # over all ranks
+            mb_loss = 0.0
+            # micro-batches of similar length, each cut to its longest row: [micro, :c] lines up
+            for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
+                with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                    logprobs, entropy = forward_logprobs(policy, input_ids[micro, cols], attention_mask[micro, cols],
+                                                         c, args.temperature, with_entropy=True)
+                    values = forward_values(critic, input_ids[micro, cols], attention_mask[micro, cols], c)
+                # vLLM sampled from its own numerics, not exactly pi_old: truncated importance weights
+                vllm_is_weights = truncated_is_weights(old_logprobs[micro, :c], vllm_logprobs[micro, :c], vllm_is_cap)
+                loss, stats = compute_loss(logprobs, old_logprobs[micro, :c], advantages[micro, :c], values,
+                                           old_values[micro, :c], returns[micro, :c], vllm_is_weights,
+                                           loss_mask[micro, :c], args, num_tokens, num_seqs)
+                loss.backward()  # micro-batch losses add up to the minibatch loss
+                mb_loss += loss.item()
+                stats["policy/entropy"] = masked_mean(entropy, completion_mask[micro, :c])
+                for k, v in stats.items():
+                    step_stats[k].append(float(v))
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step_stats["loss/total"].append(mb_loss)
+            step_stats["optim/grad_norm"].append(float(grad_norm))
+            step_stats["optim/critic_grad_norm"].append(float(critic_grad_norm))
+    return step_stats, old_logprobs
+
+
 def main(args: Args) -> None:
     # ---------------------------------------------------------------- setup
     device = dist.init()  # under torchrun: the ranks' process group, before vLLM exists (see common/dist.py)
@@ -447,40 +487,10 @@ def main(args: Args) -> None:
 
             # ---------------------------------------------------------------- 5. update
             with timed(times, "train"):
-                policy.train()
-                critic.train()
-                step_stats = defaultdict(list)
-                for epoch in range(args.num_epochs):
-                    for mb in torch.randperm(B, device=device).split(B // args.num_minibatches):
-                        num_tokens, num_seqs = dist.minibatch_totals(loss_mask[mb])  # over all ranks
-                        mb_loss = 0.0
-                        # micro-batches of similar length, each cut to its longest row: [micro, :c] lines up
-                        for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
-                            with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                                logprobs, entropy = forward_logprobs(policy, input_ids[micro, cols],
-                                                                     attention_mask[micro, cols], c, args.temperature,
-                                                                     with_entropy=True)
-                                values = forward_values(critic, input_ids[micro, cols], attention_mask[micro, cols], c)
-                            # vLLM sampled from its own numerics, not exactly pi_old: truncated importance weights
-                            vllm_is_weights = truncated_is_weights(old_logprobs[micro, :c], vllm_logprobs[micro, :c],
-                                                                   vllm_is_cap)
-                            loss, stats = compute_loss(
-                                logprobs, old_logprobs[micro, :c], advantages[micro, :c], values, old_values[micro, :c],
-                                returns[micro, :c], vllm_is_weights, loss_mask[micro, :c], args, num_tokens,
-                                num_seqs)
-                            loss.backward()  # micro-batch losses add up to the minibatch loss
-                            mb_loss += loss.item()
-                            stats["policy/entropy"] = masked_mean(entropy, completion_mask[micro, :c])
-                            for k, v in stats.items():
-                                step_stats[k].append(float(v))
-                        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                        critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-                        optimizer.step()
-                        scheduler.step()
-                        optimizer.zero_grad(set_to_none=True)
-                        step_stats["loss/total"].append(mb_loss)
-                        step_stats["optim/grad_norm"].append(float(grad_norm))
-                        step_stats["optim/critic_grad_norm"].append(float(critic_grad_norm))
+                step_stats, old_logprobs = update(policy, critic, optimizer, scheduler, args, vllm_is_cap,
+                                                  autocast_dtype, input_ids, attention_mask, completion_mask,
+                                                  loss_mask, old_logprobs, vllm_logprobs, advantages, old_values,
+                                                  returns)
 
             # ---------------------------------------------------------------- 6. sync
             with timed(times, "sync"):

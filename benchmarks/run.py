@@ -1,6 +1,6 @@
 """All benchmarks in one command, on the bundled tiny model and the default task `sort`:
 
-1. the seven algorithm scripts side by side, with the same budget and seeds, each a plain
+1. the algorithm scripts (every one that common/scripts.py finds) side by side, with the same budget and seeds, each a plain
    `python <script>.py ...` subprocess: held-out accuracy, speed, memory, where a step's time goes;
 2. the policy-gradient lecture's claim (a baseline keeps the expected gradient and lowers its
    variance): REINFORCE without / with the batch-mean baseline, RLOO and GRPO learning on `sort`
@@ -12,6 +12,7 @@
     python benchmarks/run.py --mode quick                    # every part, smallest settings: a few minutes
     python benchmarks/run.py --mode full --update-readme     # the committed results: ~30-35 min
     python benchmarks/run.py --mode full --report-only       # tables and plots again from results.json
+    python benchmarks/run.py --mode hard --only sapo         # one algorithm's rows, merged into results.json
 
 Writes to benchmarks/results/<mode>/ (or --out): results.json (every number, with where, when
 and how it was measured), report.md (every table), curves.png, time_breakdown.png, lecture.png,
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
+from common.scripts import algorithm_scripts, label  # noqa: E402
 from benchmarks.util import (ROOT, environment, fmt, fmt_mean_std, markdown_table,  # noqa: E402
                              provenance_md, write_json)
 
@@ -48,21 +50,15 @@ class Config:
     flags: tuple[str, ...] = ()
 
 
-# the seven algorithms, each with its own default hyperparameters (reinforce's baseline spelled out)
-ALGORITHMS = [
-    Config("reinforce", "REINFORCE", "reinforce.py", ("--baseline", "batch-mean")),
-    Config("rloo", "RLOO", "rloo.py"),
-    Config("ppo", "PPO", "ppo.py"),
-    Config("grpo", "GRPO", "grpo.py"),
-    Config("gspo", "GSPO", "gspo.py"),
-    Config("cispo", "CISPO", "cispo.py"),
-    Config("dapo", "DAPO", "dapo.py"),
-]
+# every algorithm script, found (not listed), each with its own default hyperparameters
+ALGORITHMS = [Config(script.removesuffix(".py"), label(script), script) for script in algorithm_scripts()]
+BY_NAME = {c.name: c for c in ALGORITHMS}
 NO_BASELINE = Config("reinforce-no-baseline", "REINFORCE, no baseline", "reinforce.py", ("--baseline", "none"))
 # The lecture's four estimators, each with the gradient_variance.py estimator of the same advantage.
 # On `sort` they are the comparison's runs; on LECTURE_TASK (partial credit, never negative: without
 # a baseline every sample is reinforced, the lecture's setting) they run again with `--task`.
-LECTURE = [(NO_BASELINE, "none"), (ALGORITHMS[0], "batch-mean"), (ALGORITHMS[1], "rloo"), (ALGORITHMS[3], "grpo")]
+LECTURE = [(NO_BASELINE, "none"), (BY_NAME["reinforce"], "batch-mean"), (BY_NAME["rloo"], "rloo"),
+           (BY_NAME["grpo"], "grpo")]
 TASK, LECTURE_TASK = "sort", "sort-partial"
 TASK_NOTES = {"sort": "`sort`: reward 1 for the exact sorted digits, else 0",
               "sort-partial": "`sort-partial`: the same prompts and splits, reward = the fraction of positions "
@@ -728,6 +724,9 @@ def write_report(data: dict, out: Path) -> str:
               f"({data['process_s'] / 60:.1f} min of process time in all)" if data["reused"] else "")
     parts = [f"## Results ({data['mode']} mode)\n",
              provenance_md(data["environment"]) + f"Duration: {data['elapsed_s'] / 60:.1f} min{reused}.\n"]
+    for later in data.get("remeasured", []):  # rows measured afterwards with --only
+        parts.append(f"Rows {', '.join(later['names'])} measured later, alone: " + provenance_md(later["environment"])
+                     + f"Duration: {later['elapsed_s'] / 60:.1f} min.\n")
     curves = {r["label"]: r["aggregate"]["curves"] for r in main.values() if r.get("aggregate")}
     if curves:
         band = "band: min-max over seeds" if len(s["seeds"]) > 1 else "one seed"
@@ -773,9 +772,12 @@ def update_readme(readme: Path, report: str, out: Path, mode: str = "full") -> N
     print(f"updated {readme}", flush=True)
 
 
-def measure(mode: str, out: Path, force: bool, env: dict) -> dict:
-    """Run (or reuse) every part and every run; returns what results.json holds."""
+def measure(mode: str, out: Path, force: bool, env: dict, only: list[str] | None = None) -> dict:
+    """Run (or reuse) every part and every run; returns what results.json holds. With `only`
+    (algorithm names), just those algorithms' runs."""
     s, t0, runs_dir, parts = MODES[mode], time.perf_counter(), out / "runs", {}
+    if only:
+        s = {k: v for k, v in s.items() if k not in ("engines", "engines_smollm2", "variance", "lecture_estimators")}
     if "engines" in s:
         parts["rollout_engines"] = run_part("rollout_engines", "rollout_engines.py", s["engines"], runs_dir, force)
     if "engines_smollm2" in s:
@@ -785,7 +787,7 @@ def measure(mode: str, out: Path, force: bool, env: dict) -> dict:
         parts["gradient_variance"] = run_part("gradient_variance", "gradient_variance.py",
                                               [*s["variance"], "--task", TASK, LECTURE_TASK], runs_dir, force)
     lecture = [NO_BASELINE] + lecture_configs(s["lecture_estimators"]) if "lecture_estimators" in s else []
-    configs = ALGORITHMS + lecture
+    configs = [c for c in ALGORITHMS if not only or c.name in only] + lecture
     budget = budget_flags(s)
     folders = {(c.name, seed): runs_dir / c.name / f"seed{seed}" for c in configs for seed in s["seeds"]}
     runs = [Run(f"{c.name} seed {seed}", folders[c.name, seed],
@@ -795,10 +797,21 @@ def measure(mode: str, out: Path, force: bool, env: dict) -> dict:
     records = run_scripts(runs, s["jobs"], force)
     done = [*records.values(), *(p for p in parts.values() if p)]
     return {"environment": env, "mode": mode, "elapsed_s": time.perf_counter() - t0,
-            "settings": {k: v for k, v in s.items() if k not in ("engines", "engines_smollm2", "variance")},
+            "settings": {k: v for k, v in MODES[mode].items() if k not in ("engines", "engines_smollm2", "variance")},
             "reused": sum(bool(d.get("reused")) for d in done),
             "process_s": sum(d.get("process_wall_s", d.get("wall_s", 0.0)) for d in done),
             "runs": collect(configs, s["seeds"], runs_dir, s.get("target", TARGET)), **parts}
+
+
+def merge_rows(data: dict, new: dict, names: list[str]) -> dict:
+    """results.json with the rows of `names` taken from a later --only measurement, which it records."""
+    if new["settings"] != data["settings"]:
+        raise SystemExit(f"error: --only: the {new['mode']} mode's settings changed since results.json was written; "
+                         f"measure the whole mode again")
+    data["runs"].update({name: new["runs"][name] for name in names})
+    data.setdefault("remeasured", []).append({"names": names, "environment": new["environment"],
+                                             "elapsed_s": new["elapsed_s"]})
+    return data
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -807,6 +820,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="output folder (default benchmarks/results/<mode>)")
     p.add_argument("--force", action="store_true", help="rerun the runs and parts that already finished")
     p.add_argument("--report-only", action="store_true", help="measure nothing: the report and plots from results.json")
+    p.add_argument("--only", nargs="+", metavar="NAME", choices=list(BY_NAME),
+                   help="measure only these algorithms' runs and merge them into the mode's results.json, which "
+                        "records when and where they were measured (e.g. a new script: --only sapo)")
     p.add_argument("--update-readme", type=Path, nargs="?", const=ROOT / "benchmarks" / "README.md", metavar="README",
                    help="put the report between the markers of this README (default benchmarks/README.md)")
     args = p.parse_args(argv)
@@ -820,7 +836,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: load average {env['load_average_1min']}: other work on this machine slows the timings down "
                   f"(recorded in the report)", flush=True)
         out.mkdir(parents=True, exist_ok=True)
-        data = measure(args.mode, out, args.force, env)
+        data = measure(args.mode, out, args.force, env, args.only)
+        if args.only:
+            data = merge_rows(json.loads((out / "results.json").read_text()), data, args.only)
         write_json(out / "results.json", data)
     report = write_report(data, out)
     if args.update_readme:

@@ -2,10 +2,10 @@
 torchrun: `python tests/dist_worker.py OUT.pt` or `torchrun --nproc-per-node 2 tests/dist_worker.py OUT.pt`.
 
 Every rank builds the same batch (8 completions, 2 prompts x 4) and takes its share, as the scripts
-do with their prompts; the scripts' own advantage and loss functions and common/dist.py's
-normalizers and FSDP2 sharding compute the gradient, then AdamW takes one step. Rank 0 saves, per
-case, the whole gradient and the parameter change, so that tests/test_dist.py can compare N processes
-with one.
+do with their prompts; the scripts' own advantage functions and their own update (step 5: the
+micro-batch loop, common/dist.py's normalizers, FSDP2 sharding, clipping) compute the gradient,
+then AdamW takes one step. Rank 0 saves, per case, the whole (clipped) gradient and the parameter
+change, so that tests/test_dist.py can compare N processes with one.
 """
 
 import os
@@ -22,7 +22,7 @@ import ppo  # noqa: E402
 import reinforce  # noqa: E402
 from common import dist  # noqa: E402
 from common.models import load_policy, load_tokenizer  # noqa: E402
-from common.ops import forward_logprobs, make_batch, micro_batches, truncated_is_weights  # noqa: E402
+from common.ops import make_batch  # noqa: E402
 
 TINY_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "tiny-sort")
 G, NUM_PROMPTS, MICRO = 4, 2, 3  # micro-batches of 3 rows: one process and each rank cut the batch differently
@@ -38,46 +38,47 @@ def rollout_batch(vocab: int):
     return [p for p in prompts for _ in range(G)], completions, rewards
 
 
-def update(policy, case: str, input_ids, attention_mask, completion_mask, rewards):
-    """The scripts' step 4 and 5 for one case on this rank's rows: advantages, micro-batch losses
-    with the minibatch's global totals, backward."""
+class RecordingAdamW(torch.optim.AdamW):
+    """AdamW that keeps, at its step, the whole gradient (gathered over ranks) it applies."""
+
+    def step(self, closure=None):
+        self.grad = {n: dist.full_tensor(p.grad).clone() for n, p in self.named}
+        return super().step(closure)
+
+
+def update(policy, critic, optimizer, case: str, input_ids, attention_mask, completion_mask, rewards):
+    """The scripts' step 4 and their own step 5 for one case on this rank's rows: advantages, then
+    one optimizer step over micro-batches with the minibatch's global totals. Returns the grad norm."""
+    from common.ops import batched_logprobs
+
     loss_mask, C = completion_mask, completion_mask.shape[1]
-    with torch.no_grad():
-        old_logprobs = torch.cat([forward_logprobs(policy, input_ids[i:i + 1], attention_mask[i:i + 1], C)
-                                  for i in range(len(input_ids))])
+    old_logprobs = batched_logprobs(policy, input_ids, attention_mask, C, 1.0, 1)
     # a stand-in for the policy that sampled and for the reference: fixed offsets, so ratios and KL are not trivial
     offsets = torch.linspace(-0.05, 0.05, C).expand_as(old_logprobs)
     old_logprobs, ref_logprobs = old_logprobs + offsets, old_logprobs - 2 * offsets
+    batch = dict(input_ids=input_ids, attention_mask=attention_mask, completion_mask=completion_mask,
+                 loss_mask=loss_mask, old_logprobs=old_logprobs, vllm_logprobs=old_logprobs)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     if case.startswith("grpo"):
-        args = grpo.Args(loss_agg=case.split(":")[1], kl_coef=0.04)
+        args = grpo.Args(loss_agg=case.split(":")[1], kl_coef=0.04, num_minibatches=1, micro_batch_size=MICRO)
         advantages = grpo.compute_advantages(rewards, G, args.scale_rewards)
+        stats, _ = grpo.update(policy, optimizer, scheduler, args, 0.0, None, **batch, ref_logprobs=ref_logprobs,
+                               advantages=advantages)
     elif case == "reinforce":
-        args = reinforce.Args(baseline="batch-mean", kl_coef=0.0)
+        args = reinforce.Args(baseline="batch-mean", kl_coef=0.0, micro_batch_size=MICRO)
         returns = reinforce.compute_returns(rewards, torch.zeros_like(old_logprobs), loss_mask, args.kl_coef)
         baseline, _ = reinforce.update_baseline(None, returns, args)
         advantages = reinforce.compute_advantages(returns, loss_mask, baseline)
+        stats, _ = reinforce.update(policy, optimizer, scheduler, args, 0.0, None, **batch, advantages=advantages)
     else:
-        args = ppo.Args(whiten_advantages=True)
+        args = ppo.Args(whiten_advantages=True, num_minibatches=1, micro_batch_size=MICRO)
         values = torch.zeros_like(old_logprobs)
         token_rewards = ppo.compute_token_rewards(rewards, old_logprobs - ref_logprobs, loss_mask, args.kl_coef)
         advantages, returns = ppo.compute_advantages(token_rewards, values, loss_mask, args.gamma, args.lam)
         advantages = ppo.whiten(advantages, loss_mask)
-    rows = torch.arange(len(input_ids))
-    num_tokens, num_seqs = dist.minibatch_totals(loss_mask[rows])
-    for micro, cols, c in micro_batches(rows, input_ids, attention_mask, C, MICRO):
-        logprobs = forward_logprobs(policy, input_ids[micro, cols], attention_mask[micro, cols], c)
-        weights = truncated_is_weights(old_logprobs[micro, :c], old_logprobs[micro, :c], 0.0)
-        if case.startswith("grpo"):
-            loss, _ = grpo.compute_loss(logprobs, old_logprobs[micro, :c], ref_logprobs[micro, :c], advantages[micro],
-                                        weights, loss_mask[micro, :c], args, num_tokens, num_seqs)
-        elif case == "reinforce":
-            loss, _ = reinforce.compute_loss(logprobs, advantages[micro, :c], weights, loss_mask[micro, :c], args,
-                                             num_tokens, num_seqs)
-        else:
-            loss, _ = ppo.compute_loss(logprobs, old_logprobs[micro, :c], advantages[micro, :c], values[micro, :c],
-                                       values[micro, :c], returns[micro, :c], weights, loss_mask[micro, :c], args,
-                                       num_tokens, num_seqs)
-        loss.backward()
+        stats, _ = ppo.update(policy, critic, optimizer, scheduler, args, 0.0, None, **batch, advantages=advantages,
+                              old_values=values, returns=returns)
+    return stats["optim/grad_norm"][0]
 
 
 def main(out: str) -> None:
@@ -88,18 +89,22 @@ def main(out: str) -> None:
     for case in ("grpo:token-mean", "grpo:seq-mean-token-mean", "reinforce", "ppo"):
         policy = dist.shard(load_policy(TINY_MODEL, tokenizer, "float32", device))
         before = {n: dist.full_tensor(p.detach()).clone() for n, p in policy.named_parameters()}
+        params = list(policy.parameters())
+        critic = None
+        if case == "ppo":  # its value head starts at zero: values 0, as the stand-in old values
+            critic = ppo.load_critic(TINY_MODEL, tokenizer, "float32", device)
+            critic = dist.shard(critic, called_alone=(critic.base_model, critic.score))
+            params += list(critic.parameters())
         # a large step: the parameter change stays far above the float32 rounding of the parameters themselves
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=0.1)
+        optimizer = RecordingAdamW(params, lr=0.1)
+        optimizer.named = list(policy.named_parameters())
         prompts, completions, rewards = rollout_batch(len(tokenizer))
         share = dist.share(list(range(len(prompts))))  # whole groups: 4 rows per rank under 2 processes
         batch = make_batch([prompts[i] for i in share], [completions[i] for i in share], tokenizer.pad_token_id,
                            device)
-        update(policy, case, *batch, rewards[share])
-        grad = {n: dist.full_tensor(p.grad).clone() for n, p in policy.named_parameters()}
-        grad_norm = dist.full_tensor(torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0))
-        optimizer.step()
+        grad_norm = update(policy, critic, optimizer, case, *batch, rewards[share])
         delta = {n: dist.full_tensor(p.detach()) - before[n] for n, p in policy.named_parameters()}
-        results[case] = {"grad": grad, "delta": delta, "grad_norm": float(grad_norm)}
+        results[case] = {"grad": optimizer.grad, "delta": delta, "grad_norm": grad_norm}
     if dist.is_main():
         torch.save(results, out)
 

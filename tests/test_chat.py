@@ -9,6 +9,7 @@ from vllm import SamplingParams
 
 from common.errors import ConfigError
 from common.ops import make_batch
+from common.scripts import algorithm_scripts
 from common.models import encode_prompts, end_of_turn_token_ids, stop_token_ids
 from common.tasks import evaluate
 from tests.conftest import TINY_MODEL
@@ -149,7 +150,7 @@ def test_evaluate_uses_the_template_and_stop_tokens(eot_engine):
         evaluate(llm, tok, task, 12, chat_template=False, system_prompt="Sort.")
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "gspo.py", "cispo.py", "dapo.py", "reinforce.py", "rloo.py", "ppo.py"])
+@pytest.mark.parametrize("script", algorithm_scripts())
 def test_every_script_stops_rollouts_at_end_of_turn(script, tmp_path, eot_model, eot_engine, run_main):
     """A model whose EOS is <|endoftext|> and whose turns end with <|im_end|>: a script that
     did not pass the stop tokens to vLLM would see every completion run to max_new_tokens.

@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from common.scripts import algorithm_scripts, load_script
 from tests.conftest import ROOT, TINY_MODEL, read_optimizer_state
 from tests.test_grpo_e2e import STEP_METRICS, read_metrics
 from tests.test_runs import wait_for_steps
@@ -21,13 +22,13 @@ from tests.test_runs import wait_for_steps
 pytestmark = pytest.mark.slow
 SMALL = ["--num-minibatches", "2", "--prompts-per-step", "4", "--completions-per-prompt", "4",
          "--micro-batch-size", "3", "--max-new-tokens", "10", "--eval-every", "0"]
-OTHERS = ["reinforce.py", "rloo.py", "gspo.py", "cispo.py", "dapo.py"]  # one step each
+OTHERS = [s for s in algorithm_scripts() if s not in ("grpo.py", "ppo.py")]  # one step each
 CASES = ["grpo:token-mean", "grpo:seq-mean-token-mean", "reinforce", "ppo"]
 
 
 def small(script: str) -> list[str]:
     """SMALL, less --num-minibatches for the scripts that make one update per batch."""
-    return SMALL[2:] if script in ("reinforce.py", "rloo.py") else SMALL
+    return SMALL if hasattr(load_script(script).Args, "num_minibatches") else SMALL[2:]
 
 
 def torchrun(*args, **kwargs) -> subprocess.Popen:

@@ -3,18 +3,21 @@ raises held-out greedy accuracy far above its start (measured 0.22 -> 0.9+ at se
 
 import pytest
 
+from common.scripts import algorithm_scripts, load_script
 from tests.test_grpo_e2e import STEP_METRICS, read_metrics
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["grpo.py", "gspo.py", "cispo.py", "dapo.py", "reinforce.py", "rloo.py", "ppo.py"])
+@pytest.mark.parametrize("script", algorithm_scripts())
 def test_script_learns_the_default_task(script, tmp_path, run_main):
     out = tmp_path / "run"
     run_main(script, "--steps", "10", "--eval-every", "10", "--output-dir", out)
     metrics = read_metrics(out)
-    # the same metric names in every script (clip fraction only where there is clipping, KL where there is a reference)
-    absent = {"reinforce.py": "policy/clip_frac", "rloo.py": "policy/clip_frac", "dapo.py": "kl/ref"}.get(script)
-    expected = [k for k in STEP_METRICS if k != absent]
+    # the same metric names in every script: the clip fraction where there is a clip range, the KL where
+    # there is a reference (a default kl_coef > 0)
+    defaults = load_script(script).Args()
+    absent = {"policy/clip_frac": not hasattr(defaults, "eps_low"), "kl/ref": defaults.kl_coef == 0}
+    expected = [k for k in STEP_METRICS if not absent.get(k)]
     assert all(k in metrics[1] for k in expected), sorted(metrics[1])
     start, end = metrics[0]["eval/accuracy"], metrics[-1]["eval/accuracy"]
     # a 0.3 margin cannot be reached by the noise of 200 held-out prompts

@@ -2,21 +2,27 @@
 weights that correct for vLLM's own numerics (every script), dropout switched off at load,
 and the bf16 path (engine in bf16, trainer under bf16 autocast) run on the CPU."""
 
+import inspect
 import json
+import types
 
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-import cispo
-import grpo
-import gspo
 import ppo
-import reinforce
-import rloo
+from common.scripts import algorithm_scripts, load_script, update_inputs
+from tests.conftest import TINY_MODEL
 
 LOGPROBS = [[-1.0, -2.0, -0.5], [-0.3, -1.2, -2.2]]
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+SCRIPTS = algorithm_scripts()
+
+
+def sequence_advantages(script: str) -> bool:
+    """A script whose loss holds the KL (takes ref_logprobs) has one advantage per completion, [B]
+    (GRPO's family); the others (KL in the reward: REINFORCE, RLOO, PPO) have one per token, [B, C]."""
+    return "ref_logprobs" in update_inputs(script)
 
 
 def policy_gradient(script, weights):
@@ -25,29 +31,29 @@ def policy_gradient(script, weights):
     old = logprobs.detach()
     A = torch.tensor([0.5, -1.5])
     n_tokens, n_seqs = MASK.sum(), 2
-    if script in (reinforce, rloo):
-        args = script.Args(kl_coef=0.0, loss_agg="token-mean")
-        loss, _ = script.compute_loss(logprobs, A.unsqueeze(1) * MASK, weights, MASK, args, n_tokens, n_seqs)
-    elif script is ppo:
-        args = ppo.Args(kl_coef=0.0, loss_agg="token-mean", vf_coef=0.0)
+    module = load_script(script)
+    args = module.Args(kl_coef=0.0, loss_agg="token-mean", **({"vf_coef": 0.0} if hasattr(module.Args, "vf_coef")
+                                                              else {}))
+    if sequence_advantages(script):
+        loss, _ = module.compute_loss(logprobs, old, None, A, weights, MASK, args, n_tokens, n_seqs)
+    elif "old_values" in update_inputs(script):  # a critic: PPO
         zeros = torch.zeros_like(old)
-        loss, _ = ppo.compute_loss(logprobs, old, A.unsqueeze(1) * MASK, zeros, zeros, zeros, weights, MASK, args,
-                                   n_tokens, n_seqs)
+        loss, _ = module.compute_loss(logprobs, old, A.unsqueeze(1) * MASK, zeros, zeros, zeros, weights, MASK, args,
+                                      n_tokens, n_seqs)
     else:
-        args = script.Args(kl_coef=0.0, loss_agg="token-mean")
-        loss, _ = script.compute_loss(logprobs, old, None, A, weights, MASK, args, n_tokens, n_seqs)
+        loss, _ = module.compute_loss(logprobs, A.unsqueeze(1) * MASK, weights, MASK, args, n_tokens, n_seqs)
     return torch.autograd.grad(loss, logprobs)[0]
 
 
 def test_truncated_importance_weight_by_hand():
     """GRPO at ratio 1, token-mean over 5 tokens: loss = -sum_t w_t A_i / 5."""
     w = torch.tensor([[2.0, 0.5, 1.0], [1.0, 2.0, 9.0]])  # the last one is padding
-    grad = policy_gradient(grpo, w)
+    grad = policy_gradient("grpo.py", w)
     expected = -torch.tensor([[2.0 * 0.5, 0.5 * 0.5, 1.0 * 0.5], [1.0 * -1.5, 2.0 * -1.5, 0.0]]) / 5
     assert torch.allclose(grad, expected)
 
 
-@pytest.mark.parametrize("script", [grpo, cispo, reinforce, rloo, ppo], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if s != "gspo.py"])  # gspo: per sequence, below
 def test_every_token_level_script_weights_its_policy_gradient(script):
     w = torch.tensor([[2.0, 0.5, 1.0], [1.0, 1.7, 1.0]])
     unweighted = policy_gradient(script, torch.ones_like(w))
@@ -58,7 +64,7 @@ def test_every_token_level_script_weights_its_policy_gradient(script):
 def test_gspo_weights_a_sequence_by_the_geometric_mean_of_its_token_weights():
     w = torch.tensor([[2.0, 0.5, 4.0], [3.0, 3.0, 100.0]])  # padding's weight must not count
     seq_weight = torch.tensor([[(2.0 * 0.5 * 4.0) ** (1 / 3)], [3.0]])
-    assert torch.allclose(policy_gradient(gspo, w), seq_weight * policy_gradient(gspo, torch.ones_like(w)))
+    assert torch.allclose(policy_gradient("gspo.py", w), seq_weight * policy_gradient("gspo.py", torch.ones_like(w)))
 
 
 def test_dropout_is_off_whatever_the_config_says(tmp_path, tokenizer):
@@ -110,54 +116,74 @@ def test_bf16_path_learns_on_the_cpu_with_a_bf16_sized_mismatch(tmp_path):
     assert metrics[-1]["eval/accuracy"] >= metrics[0]["eval/accuracy"] + 0.3, (metrics[0], metrics[-1])
 
 
+class GradientRecorder:
+    """An optimizer that keeps the gradient each of its steps sees and changes no weight."""
 
-def update_gradient(script, policy, batch, vllm_logprobs, advantages, old_logprobs=None):
-    """One minibatch of the scripts' update over micro-batches of 2, as the scripts write it: with
-    old_logprobs from a pass of their own, or (None) from the update's own forward, detached.
-    Returns the summed loss and the flattened gradient."""
-    from common.ops import forward_logprobs, micro_batches, truncated_is_weights
+    def __init__(self, params):
+        self.params, self.grads = list(params), []
 
-    input_ids, attention_mask, mask = batch
-    B, C = mask.shape
-    reuse_forward = old_logprobs is None
-    old_logprobs = torch.zeros(B, C) if reuse_forward else old_logprobs
-    args = script.Args(loss_agg="token-mean", kl_coef=0.0)
-    policy.zero_grad()
-    total = 0.0
-    for micro, cols, c in micro_batches(torch.randperm(B, generator=torch.Generator().manual_seed(0)),
-                                        input_ids, attention_mask, C, 2):
-        logprobs = forward_logprobs(policy, input_ids[micro, cols], attention_mask[micro, cols], c, 1.0)
-        if reuse_forward:
-            old_logprobs[micro, :c] = logprobs.detach()
-        weights = truncated_is_weights(old_logprobs[micro, :c], vllm_logprobs[micro, :c], 2.0)
-        if script is reinforce:
-            loss, _ = script.compute_loss(logprobs, advantages[micro].unsqueeze(1) * mask[micro, :c], weights,
-                                          mask[micro, :c], args, mask.sum(), B)
-        else:
-            loss, _ = script.compute_loss(logprobs, old_logprobs[micro, :c], None, advantages[micro], weights,
-                                          mask[micro, :c], args, mask.sum(), B)
-        loss.backward()
-        total += loss.item()
-    return total, torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
+    def step(self):
+        self.grads.append(torch.cat([p.grad.flatten() for p in self.params if p.grad is not None]))
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
 
 
-@pytest.mark.parametrize("script", [grpo, gspo, cispo, reinforce], ids=lambda m: m.__name__)
-def test_old_logprobs_from_the_updates_own_forward_give_todays_loss_and_gradient(script, tiny_policy):
-    """One epoch, one minibatch: old log-probs taken from the update's forward (detached) instead of
-    a pass of their own (batched_logprobs, other micro-batches) give the same loss and gradient, up
-    to fp32 rounding (other micro-batches cut the padding elsewhere: ~1e-6 apart)."""
-    from common.ops import batched_logprobs, make_batch
+def rollout_batch(tokenizer_len: int = 20):
+    """Six completions (3 prompts x 2) of different lengths, as make_batch lays them out."""
+    from common.ops import make_batch
 
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 20, (n,), generator=g).tolist() for n in (3, 5, 4, 6, 2, 5)]
-    completions = [torch.randint(3, 20, (n,), generator=g).tolist() for n in (4, 1, 6, 3, 5, 2)]
-    batch = make_batch(prompts, completions, 0, "cpu")
-    input_ids, attention_mask, mask = batch
-    old_logprobs = batched_logprobs(tiny_policy, input_ids, attention_mask, mask.shape[1], 1.0, 4)
-    vllm_logprobs = old_logprobs + 0.3 * torch.randn(old_logprobs.shape, generator=g)  # some weights capped at 2
-    advantages = torch.randn(6, generator=g)
-    loss, grad = update_gradient(script, tiny_policy, batch, vllm_logprobs, advantages, old_logprobs)
-    reused_loss, reused_grad = update_gradient(script, tiny_policy, batch, vllm_logprobs, advantages)
-    assert grad.abs().sum() > 0
-    assert reused_loss == pytest.approx(loss, rel=1e-5, abs=1e-7)
-    assert (reused_grad - grad).norm() < 1e-5 * grad.norm()
+    prompts = [torch.randint(3, tokenizer_len, (n,), generator=g).tolist() for n in (3, 5, 4, 6, 2, 5)]
+    completions = [torch.randint(3, tokenizer_len, (n,), generator=g).tolist() for n in (4, 1, 6, 3, 5, 2)]
+    return make_batch(prompts, completions, 0, "cpu"), g
+
+
+def run_update(script, policy, critic, batch: dict, micro_batch_size: int, **flags):
+    """The script's own update on one rollout batch, as its loop calls it, with a recorder for an
+    optimizer (no clipping: max_grad_norm 1e9): returns the minibatch losses and the gradients
+    the optimizer steps saw."""
+    module = load_script(script)
+    args = module.Args(kl_coef=0.0, loss_agg="token-mean", micro_batch_size=micro_batch_size, max_grad_norm=1e9,
+                       **flags)
+    optimizer = GradientRecorder(policy.parameters())
+    available = {"policy": policy, "optimizer": optimizer, "scheduler": types.SimpleNamespace(step=lambda: None),
+                 "args": args, "vllm_is_cap": 2.0, "autocast_dtype": None, **batch}
+    if critic is not None:
+        available["critic"] = critic
+    torch.manual_seed(0)  # the minibatch permutation
+    stats, _ = module.update(**{k: available[k] for k in inspect.signature(module.update).parameters})
+    return stats["loss/total"], optimizer.grads
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_scripts_update_gives_one_gradient_whatever_the_micro_batches(script, tiny_policy, tokenizer):
+    """Each script's own update (step 5): micro-batches of 2 rows and one micro-batch of the whole
+    batch give the same losses and gradients (normalizers over the minibatch), to fp32 rounding;
+    where the update can take old log-probs from its own forward (one optimizer step on the
+    batch), doing so gives them too."""
+    from common.ops import batched_logprobs
+
+    (input_ids, attention_mask, mask), g = rollout_batch()
+    B, C = mask.shape
+    old_logprobs = batched_logprobs(tiny_policy, input_ids, attention_mask, C, 1.0, 4)
+    batch = dict(input_ids=input_ids, attention_mask=attention_mask, completion_mask=mask, loss_mask=mask,
+                 old_logprobs=old_logprobs, ref_logprobs=None,
+                 vllm_logprobs=old_logprobs + 0.3 * torch.randn(B, C, generator=g),  # some weights capped at 2
+                 advantages=torch.randn(B, generator=g))
+    if not sequence_advantages(script):
+        batch["advantages"] = batch["advantages"].unsqueeze(1) * mask
+        batch["old_values"], batch["returns"] = 0.1 * torch.randn(B, C, generator=g), torch.randn(B, C, generator=g)
+    critic = ppo.load_critic(TINY_MODEL, tokenizer, "float32", "cpu") if "old_values" in update_inputs(script) \
+        else None
+    one_step = {"num_minibatches": 1} if hasattr(load_script(script).Args, "num_minibatches") else {}
+    losses, grads = run_update(script, tiny_policy, critic, batch, B, **one_step)
+    assert len(grads) == 1 and grads[0].abs().sum() > 0
+    micro_losses, micro_grads = run_update(script, tiny_policy, critic, batch, 2, **one_step)
+    assert micro_losses == pytest.approx(losses, rel=1e-5, abs=1e-7)
+    assert (micro_grads[0] - grads[0]).norm() < 1e-5 * grads[0].norm()
+    if "old_values" not in batch:  # PPO's old log-probs come from their own pass (the critic's values too)
+        reused_losses, reused_grads = run_update(script, tiny_policy, critic, {**batch, "old_logprobs": None}, 2, **one_step)
+        assert reused_losses == pytest.approx(losses, rel=1e-5, abs=1e-7)
+        assert (reused_grads[0] - grads[0]).norm() < 1e-5 * grads[0].norm()

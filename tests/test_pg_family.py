@@ -1,4 +1,4 @@
-"""reinforce.py, rloo.py, gspo.py, cispo.py: each algorithm's math against hand computations,
+"""reinforce.py, rloo.py, gspo.py, cispo.py, sapo.py: each algorithm's math against hand computations,
 and the central claim of the policy-gradient lecture: a baseline keeps the expected
 gradient and lowers its variance."""
 
@@ -11,6 +11,7 @@ import cispo
 import gspo
 import reinforce
 import rloo
+import sapo
 
 
 # ------------------------------------------------------------------------------- RLOO
@@ -164,3 +165,29 @@ def test_baseline_keeps_the_expected_gradient_and_lowers_its_variance():
         assert ((est.mean(0) - exact).abs() < 4 * se + 1e-4).all(), (est.mean(0), exact)
     var_none, var_loo = no_baseline.var(0).sum().item(), loo.var(0).sum().item()
     assert var_loo < 0.25 * var_none, (var_loo, var_none)
+
+
+def test_sapo_soft_gate_loss_and_gradient_by_hand():
+    """Ratios [1, 1.5, 0.5] with A = 2 (tau_pos 1) and [1, 3, padding] with A = -1 (tau_neg 1.05),
+    token-mean over the 5 tokens: loss = -sum_t f(r_t) A_i / 5 with f(r) = (4 / tau) sigmoid(tau (r - 1)),
+    and d loss / d logp_t = -4 s (1 - s) r_t A_i / 5: GRPO's -A_i / 5 at r = 1, less off-policy."""
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    ratios = [[1.0, 1.5, 0.5], [1.0, 3.0, 1.0]]
+    logprobs = torch.tensor(ratios).log().requires_grad_()
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    args = sapo.Args(loss_agg="token-mean")
+    loss, stats = sapo.compute_loss(logprobs, torch.zeros(2, 3), None, torch.tensor([2.0, -1.0]), torch.ones(2, 3),
+                                    mask, args, mask.sum(), 2)
+    # row 1: sigmoid(x) + sigmoid(-x) = 1, so f(1.5) + f(0.5) = 4 and the row's sum is 2 + 4 = 6
+    row2 = (4 / 1.05) * (sig(0.0) + sig(1.05 * 2.0))
+    assert loss.item() == pytest.approx(-(2.0 * 6.0 - 1.0 * row2) / 5, rel=1e-6)
+    assert loss.item() == pytest.approx(-1.340264, rel=1e-5)
+    grad = torch.autograd.grad(loss, logprobs)[0]
+    expected = [[-4 * sig(tau * (r - 1)) * (1 - sig(tau * (r - 1))) * r * A / 5 if m else 0.0
+                 for r, m in zip(rs, ms)] for rs, ms, A, tau in zip(ratios, mask.tolist(), (2.0, -1.0), (1.0, 1.05))]
+    torch.testing.assert_close(grad, torch.tensor(expected))
+    assert grad[0, 0].item() == pytest.approx(-2.0 / 5) and grad[1, 0].item() == pytest.approx(1.0 / 5)  # GRPO's
+    assert 0 < grad[1, 1].item() < 1.0 / 5 * 3.0 * 0.5  # r = 3: far below the unclipped 3/5, yet not zero
+    assert stats["policy/gate_weight"].item() == pytest.approx(
+        sum(4 * sig(t * (r - 1)) * (1 - sig(t * (r - 1))) for r, t in [(1, 1), (1.5, 1), (0.5, 1), (1, 1.05), (3, 1.05)])
+        / 5, rel=1e-6)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from common.errors import ConfigError, RunError
+from common.scripts import algorithm_scripts, load_script
 from common.utils import RESUMABLE_CHANGES, Run, parse_args
 from tests.conftest import ROOT, TINY_MODEL
 from tests.test_grpo_e2e import SMALL, read_metrics
@@ -70,8 +71,8 @@ def test_resume_refuses_flags_that_define_the_run(tmp_path, flags, message):
 
 
 def test_resumable_changes_are_flags_of_every_script():
-    for script in ("grpo", "gspo", "cispo", "dapo", "reinforce", "rloo", "ppo"):
-        fields = vars(__import__(script).Args())
+    for script in algorithm_scripts():
+        fields = vars(load_script(script).Args())
         assert all(name in fields for name in RESUMABLE_CHANGES), script
 
 

@@ -1,0 +1,407 @@
+"""SAPO: Soft Adaptive Policy Optimization (Gao et al. 2025, Qwen, arXiv:2511.20347).
+
+GRPO's group-normalized advantages (no critic):
+
+    A_i = (R_i - mean_j R_j) / (std_j R_j + eps)          (--no-scale-rewards: no std)
+
+but no hard clip: each token's ratio passes through a smooth gate whose temperature depends
+on the sign of the advantage:
+
+    L = agg_{i,t} [ -f(r_t) A_i * w_t + beta * KL_t ]
+    f(r) = (4 / tau) * sigmoid(tau * (r - 1)),    tau = tau_pos if A_i > 0 else tau_neg
+    r_t  = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t)
+    w_t  = min(pi_old(y_t) / pi_vllm(y_t), C)              (--vllm-is-cap C; vLLM's own numerics; 1 when off)
+    KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1     (k3; the paper uses none: --kl-coef 0)
+
+The gradient of f(r_t) A_i is 4 s (1 - s) r_t A_i grad log pi(y_t), s = sigmoid(tau (r_t - 1)):
+GRPO's own gradient at r_t = 1 (4 s (1 - s) = 1 there), fading smoothly as r_t leaves 1
+instead of stopping at a clip boundary, so a few off-policy tokens lose their weight
+without silencing the rest. tau_neg > tau_pos fades tokens of negative advantage sooner
+(the paper: their updates are less stable). agg is --loss-agg (the paper: mean over tokens,
+then over sequences). Each rollout batch is reused for num_epochs x num_minibatches
+optimizer steps, so r_t moves away from 1 and the gate matters.
+"""
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: weight sync is a copy
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the progress bar is the output, not vLLM's INFO lines
+
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import torch
+import tyro
+from tqdm import tqdm
+from vllm import SamplingParams
+
+from common import dist
+from common.errors import RunError, need
+from common.models import (awake, check_model, create_engine, encode_prompts, load_policy, load_reference,
+                           load_tokenizer, stop_token_ids, sync_weights)
+from common.ops import (aggregate, batched_logprobs, forward_logprobs, make_batch, masked_mean, micro_batches,
+                        truncated_is_weights)
+from common.rewards import load_reward
+from common.tasks import evaluate, load_task
+from common.utils import GracefulInterrupt, Run, check_args, memory_metrics, parse_args, seed_everything, timed
+
+
+@dataclass
+class Args:
+    # experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment: run folders are runs/EXP_NAME__TASK__SEED__TIME"""
+    model: str = "models/tiny-sort"
+    """hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct) or local folder of the initial policy"""
+    task: str = "sort"
+    """task name from common/tasks.py, or your own: FILE.py:FUNCTION returning a Task (see examples/)"""
+    reward: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
+    """reward terms whose weighted sum replaces the task's reward, one flag each: NAME[:WEIGHT], NAME a
+    built-in (correct: the task's verifier; format: <answer> tags or \\boxed{} present) or FILE.py:FUNCTION
+    taking (completion, example) (see common/rewards.py); none: the task's own"""
+    seed: int = 0
+    steps: int = 100
+    """rollout-and-update iterations"""
+    output_dir: str | None = None
+    """the run folder: metrics, checkpoints, final model (default: runs/EXP_NAME__TASK__SEED__TIME); new or empty"""
+    overwrite: bool = False
+    """empty --output-dir first if an earlier run is in it (without it, such a folder is refused)"""
+    resume: str | None = None
+    """checkpoint (runs/.../checkpoints/step_N) or run folder (its latest checkpoint) to continue;
+    the run's own arguments are restored (see RESUMABLE_CHANGES in common/utils.py)"""
+
+    # rollout
+    prompts_per_step: int = 32
+    """distinct prompts sampled per step"""
+    completions_per_prompt: int = 8
+    """G: completions per prompt, the group that defines the baseline"""
+    max_new_tokens: int = 12
+    temperature: float = 1.0
+    """sampling temperature; log-probs are computed from logits / temperature to match"""
+    chat_template: bool = True
+    """wrap prompts in the tokenizer's chat template when it has one (--no-chat-template: raw text)"""
+    system_prompt: str | None = None
+    """system message of chat-template prompts"""
+
+    # optimization
+    lr: float = 2e-4
+    num_epochs: int = 1
+    """passes over each rollout batch"""
+    num_minibatches: int = 4
+    """optimizer steps per pass over the rollout batch"""
+    micro_batch_size: int = 64
+    """sequences per forward/backward (gradient accumulation within a minibatch)"""
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+    """linear learning-rate warmup, in optimizer steps"""
+    weight_decay: float = 0.0
+    lora_rank: int = 0
+    """train low-rank adapters of this rank (peft) instead of every weight of the policy; 0: full fine-tuning"""
+    lora_alpha: float = 32.0
+    """LoRA scale: the adapters add (alpha / rank) * B A to each target weight"""
+    lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """the policy's modules that get adapters (Llama/Qwen/Mistral names)"""
+
+    # algorithm
+    tau_pos: float = 1.0
+    """temperature of the gate for tokens of positive advantage (the paper's 1.0)"""
+    tau_neg: float = 1.05
+    """temperature of the gate for tokens of negative advantage (the paper's 1.05: fades sooner)"""
+    kl_coef: float = 0.0
+    """beta, weight of the k3 KL to the reference in the loss (the paper: none); 0 loads no reference model"""
+    scale_rewards: bool = True
+    """divide group-centered rewards by the group std (Dr. GRPO: --no-scale-rewards with
+    --loss-agg seq-mean-token-sum-norm)"""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "seq-mean-token-mean")
+    """how per-token losses are averaged (seq-mean-token-sum-norm divides by max_new_tokens)"""
+    mask_truncated_completions: bool = False
+    """leave completions that hit max_new_tokens (no EOS) out of the loss"""
+    vllm_is_cap: float | None = None
+    """C of truncated importance sampling: the policy-gradient term of each token is weighted by
+    min(pi_old / pi_vllm, C), as vLLM samples with its own numerics; None: 2 under bf16 precision
+    (vLLM and the trainer differ by ~1e-2 there), off in fp32 (they agree to ~1e-5); 0: off"""
+    ref_update_every: int = 0
+    """copy the policy into the reference every N steps (iterative GRPO); 0 never"""
+
+    # infra
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """numerics of rollouts and forward/backward: bf16 (vLLM in bfloat16, the trainer under bfloat16
+    autocast over its --dtype weights, frozen models in bfloat16) or fp32; auto: bf16 on CUDA, fp32 on CPU"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """trainer weight dtype: float32 keeps fp32 master weights and AdamW state; bfloat16 halves
+    them but rounds away updates smaller than ~1/256 of a weight (small learning rates are lost)"""
+    gradient_checkpointing: bool = False
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (weights + KV cache)"""
+    vllm_sleep: bool = True
+    """on CUDA, vLLM sleeps between rollouts (sleep mode level 1: KV cache freed, weights in CPU
+    memory), leaving the GPU's memory to the trainer; --no-vllm-sleep keeps it resident"""
+    vllm_cpu_kv_cache_gib: int = 1
+    """KV cache size on CPU"""
+    eval_every: int = 10
+    """greedy held-out evaluation every N steps (and at start and end); 0 only at start and end"""
+    save_every: int = 50
+    """checkpoint every N steps; 0 only on Ctrl-C"""
+    log_completions: int = 4
+    """completions written to completions.jsonl each step with their prompt, rewards and advantage
+    (a W&B table with --track); 0: none"""
+    tensorboard: bool = False
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "rl-lm"
+
+
+def compute_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: bool, eps: float = 1e-4):
+    """A_i = (R_i - mean of its group) [/ (std of its group + eps)], one scalar per completion.
+
+    rewards holds the G completions of each prompt consecutively. A group whose rewards
+    are all equal gets advantage 0 (no signal), never NaN."""
+    grouped = rewards.view(-1, group_size)
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale_rewards:
+        advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
+    return advantages.view(-1)
+
+
+def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, vllm_is_weights, mask, args: Args,
+                 num_tokens, num_seqs):
+    """The SAPO loss of one micro-batch; [B, C] per-token inputs, advantages [B].
+
+    num_tokens / num_seqs are the minibatch's totals, so accumulated micro-batch losses add
+    up to the minibatch loss. Returns the loss and per-micro-batch statistics."""
+    A = advantages.unsqueeze(1)
+    ratio = torch.exp(logprobs - old_logprobs)
+    tau = torch.where(A > 0, args.tau_pos, args.tau_neg)
+    gate = torch.sigmoid(tau * (ratio - 1))
+    per_token = -(4 / tau) * gate * A * vllm_is_weights
+    stats = {}
+    if ref_logprobs is not None:
+        log_ref_ratio = ref_logprobs - logprobs
+        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
+        per_token = per_token + args.kl_coef * kl
+        stats["loss/kl"] = masked_mean(kl.detach(), mask)
+    loss = aggregate(per_token, mask, args.loss_agg, num_tokens, num_seqs, args.max_new_tokens)
+    with torch.no_grad():
+        # the factor on each token's policy gradient, 4 s (1 - s): 1 on-policy, towards 0 far off it
+        stats["policy/gate_weight"] = masked_mean(4 * gate * (1 - gate), mask)
+        stats["policy/approx_kl"] = masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask)
+    return loss, stats
+
+
+def update(policy, optimizer, scheduler, args: Args, vllm_is_cap: float, autocast_dtype, input_ids, attention_mask,
+           completion_mask, loss_mask, old_logprobs, ref_logprobs, vllm_logprobs, advantages):
+    """Step 5 on one rollout batch ([B, C] tensors, advantages [B]): num_epochs x num_minibatches
+    optimizer steps, each loss accumulated over micro-batches. old_logprobs None: one optimizer
+    step on the batch, so pi_old is the very policy the update differentiates, and its own forward
+    gives them (detached). Returns the per-micro-batch statistics and the old log-probs."""
+    (B, C), device = loss_mask.shape, input_ids.device.type
+    reuse_forward = old_logprobs is None
+    if reuse_forward:  # filled as the update reaches each micro-batch
+        old_logprobs = torch.zeros(B, C, device=device)
+    policy.train()
+    step_stats = defaultdict(list)
+    for epoch in range(args.num_epochs):
+        for mb in torch.randperm(B, device=device).split(B // args.num_minibatches):
+            num_tokens, num_seqs = dist.minibatch_totals(loss_mask[mb])  # over all ranks
+            mb_loss = 0.0
+            # micro-batches of similar length, each cut to its longest row: [micro, :c] lines up
+            for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
+                with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                    logprobs, entropy = forward_logprobs(policy, input_ids[micro, cols], attention_mask[micro, cols],
+                                                         c, args.temperature, with_entropy=True)
+                if reuse_forward:
+                    old_logprobs[micro, :c] = logprobs.detach()
+                # vLLM sampled from its own numerics, not exactly pi_old: truncated importance weights
+                vllm_is_weights = truncated_is_weights(old_logprobs[micro, :c], vllm_logprobs[micro, :c], vllm_is_cap)
+                loss, stats = compute_loss(logprobs, old_logprobs[micro, :c],
+                                           None if ref_logprobs is None else ref_logprobs[micro, :c],
+                                           advantages[micro], vllm_is_weights, loss_mask[micro, :c], args,
+                                           num_tokens, num_seqs)
+                loss.backward()  # micro-batch losses add up to the minibatch loss
+                mb_loss += loss.item()
+                stats["policy/entropy"] = masked_mean(entropy, completion_mask[micro, :c])
+                for k, v in stats.items():
+                    step_stats[k].append(float(v))
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step_stats["loss/total"].append(mb_loss)
+            step_stats["optim/grad_norm"].append(float(grad_norm))
+    return step_stats, old_logprobs
+
+
+def main(args: Args) -> None:
+    # ---------------------------------------------------------------- setup
+    device = dist.init()  # under torchrun: the ranks' process group, before vLLM exists (see common/dist.py)
+    config = check_model(args.model)
+    task = load_task(args.task, seed=args.seed)
+    reward_fn = load_reward(args.reward, task)  # checked on a probe, before anything heavy
+    tokenizer = load_tokenizer(args.model)
+    max_prompt_len = max(len(p) for p in encode_prompts(tokenizer, [e["prompt"] for e in task.train + task.eval],
+                                                        args.chat_template, args.system_prompt))
+    check_args(args, max_context=config.max_position_embeddings, max_prompt_len=max_prompt_len)
+    need(args.tau_pos > 0 and args.tau_neg > 0, f"--tau-pos and --tau-neg must be positive, got {args.tau_pos} "
+                                                f"and {args.tau_neg}")
+    need(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
+    need(args.vllm_is_cap is None or args.vllm_is_cap == 0 or args.vllm_is_cap >= 1,
+         f"--vllm-is-cap must be 0 (off) or >= 1, got {args.vllm_is_cap}")
+    need(not (args.ref_update_every and args.lora_rank), "--ref-update-every needs full fine-tuning (--lora-rank 0): "
+         "under LoRA the reference is the base model")
+    need(args.lora_rank >= 0 and args.lora_alpha > 0, f"--lora-rank must be >= 0 and --lora-alpha > 0, got "
+         f"{args.lora_rank} and {args.lora_alpha}")
+    run = Run(args)  # the run folder (new, or the resumed run's), checked before anything heavy
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and device == "cuda")
+    autocast_dtype = torch.bfloat16 if bf16 else None
+    frozen_dtype = "bfloat16" if bf16 else args.dtype  # forward-only models: half the memory
+    vllm_is_cap = args.vllm_is_cap if args.vllm_is_cap is not None else (2.0 if bf16 else 0.0)
+
+    llm = create_engine(args.model, seed=args.seed + dist.rank(), max_model_len=max_prompt_len + args.max_new_tokens,
+                        dtype="bfloat16" if bf16 else "float32",
+                        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                        cpu_kv_cache_gib=args.vllm_cpu_kv_cache_gib, sleep_mode=args.vllm_sleep)
+    seed_everything(args.seed)  # after the engine: in-process vLLM reseeds the global RNGs
+    policy = dist.shard(load_policy(args.model, tokenizer, args.dtype, device, args.gradient_checkpointing,
+                                    args.lora_rank, args.lora_alpha, args.lora_target_modules,
+                                    args.resume and os.path.join(args.resume, "policy")))
+    # the reference is the initial model, also when resuming (unless refreshed, see ref_update_every;
+    # under LoRA: the policy with its adapters off)
+    ref_path = args.resume and args.ref_update_every and os.path.join(args.resume, "reference") or args.model
+    ref_model = dist.shard(load_reference(ref_path, tokenizer, frozen_dtype, device, policy)) if args.kl_coef > 0 \
+        else None
+    models = {"policy": policy, **({"reference": ref_model} if ref_model is not None and args.ref_update_every else {})}
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr,
+                                  weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
+    prompt_sampler = torch.Generator().manual_seed(args.seed)
+    if args.resume:
+        state = run.load_checkpoint(models, optimizer)
+        scheduler.load_state_dict(state["scheduler"])
+        prompt_sampler.set_state(state["prompt_sampler"])
+    sync_weights(llm, policy)  # vLLM loaded args.model; after --resume the policy differs
+
+    def checkpoint(step: int) -> str:
+        state = {"scheduler": scheduler.state_dict(), "prompt_sampler": prompt_sampler.get_state()}
+        return run.save_checkpoint(step, models, tokenizer, state, optimizer)
+
+    print(f"{args.exp_name}: {args.model} on {args.task} ({device}), {args.steps} steps of "
+          f"{args.prompts_per_step} prompts x {args.completions_per_prompt} completions -> {run.dir}")
+    first_eval = evaluate(llm, tokenizer, task, args.max_new_tokens, args.chat_template, args.system_prompt)
+    if run.start_step == 0:
+        run.log(0, first_eval)
+    # the template's end-of-turn token ends a completion like EOS (and stays in its loss mask)
+    sampling_params = SamplingParams(n=args.completions_per_prompt, temperature=args.temperature,
+                                     max_tokens=args.max_new_tokens, logprobs=0,
+                                     stop_token_ids=stop_token_ids(tokenizer))
+    G, B = args.completions_per_prompt, args.prompts_per_step // dist.world_size() * args.completions_per_prompt
+    metrics, eval_metrics = {}, first_eval
+    progress = tqdm(range(run.start_step, args.steps), initial=run.start_step, total=args.steps, desc=args.exp_name,
+                    disable=not dist.is_main())
+    with GracefulInterrupt() as interrupt:
+        for step in progress:
+            times = {}
+            t_step = time.perf_counter()
+            # ---------------------------------------------------------------- 1. rollout
+            with timed(times, "rollout"):
+                idx = torch.randint(len(task.train), (args.prompts_per_step,), generator=prompt_sampler).tolist()
+                examples = dist.share([task.train[i] for i in idx])  # this rank's prompts: B = len(examples) * G
+                prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in examples], args.chat_template,
+                                            args.system_prompt)
+                with awake(llm):  # with sleep mode (CUDA), vLLM's memory is freed again after the rollout
+                    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], sampling_params,
+                                           use_tqdm=False)
+                completions = [c for out in outputs for c in out.outputs]  # G per prompt, consecutive
+
+            # ---------------------------------------------------------------- 2. reward
+            rewards, reward_parts = reward_fn([c.text for c in completions], [examples[i // G] for i in range(B)])
+
+            # ---------------------------------------------------------------- 3. old / ref log-probs
+            with timed(times, "logprobs"):
+                input_ids, attention_mask, completion_mask = make_batch(
+                    [p for p in prompt_ids for _ in range(G)], [list(c.token_ids) for c in completions],
+                    tokenizer.pad_token_id, device)
+                truncated = torch.tensor([c.finish_reason == "length" for c in completions], device=device)
+                loss_mask = completion_mask.clone()
+                if args.mask_truncated_completions:
+                    loss_mask[truncated] = 0  # no EOS: we don't know how these would have ended
+                C = completion_mask.shape[1]
+                # one optimizer step on this batch (one epoch, one minibatch): pi_old is the very policy the
+                # update differentiates, so the update's own forward gives old_logprobs (detached), exactly
+                reuse_forward = args.num_epochs == 1 and args.num_minibatches == 1
+                old_logprobs = None if reuse_forward else batched_logprobs(
+                    policy, input_ids, attention_mask, C, args.temperature, args.micro_batch_size, autocast_dtype)
+                ref_logprobs = None
+                if ref_model is not None:
+                    ref_logprobs = batched_logprobs(ref_model, input_ids, attention_mask, C, args.temperature,
+                                                    args.micro_batch_size, autocast_dtype)
+                vllm_logprobs = torch.zeros(B, C, device=device)
+                for i, c in enumerate(completions):
+                    vllm_logprobs[i, :len(c.token_ids)] = torch.tensor(
+                        [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+
+            # ---------------------------------------------------------------- 4. advantage
+            advantages = compute_advantages(rewards, G, args.scale_rewards).to(device)
+
+            # ---------------------------------------------------------------- 5. update
+            with timed(times, "train"):
+                step_stats, old_logprobs = update(policy, optimizer, scheduler, args, vllm_is_cap, autocast_dtype,
+                                                  input_ids, attention_mask, completion_mask, loss_mask, old_logprobs,
+                                                  ref_logprobs, vllm_logprobs, advantages)
+                if args.ref_update_every and ref_model is not None and (step + 1) % args.ref_update_every == 0:
+                    ref_model.load_state_dict(policy.state_dict())
+
+            # ---------------------------------------------------------------- 6. sync
+            with timed(times, "sync"):
+                sync_weights(llm, policy)
+
+            # ---------------------------------------------------------------- 7. log / eval / checkpoint
+            times["step"] = time.perf_counter() - t_step
+            metrics = {k: sum(v) / len(v) for k, v in step_stats.items()}
+            metrics.update({
+                "reward/mean": rewards.mean(), "reward/std": rewards.std(),
+                **{f"reward/{k}_mean": v.mean() for k, v in reward_parts.items()},
+                "response/length_mean": completion_mask.sum(1).float().mean(),
+                "response/truncated_frac": truncated.float().mean(),
+                "rollout/logprob_mismatch": masked_mean((vllm_logprobs - old_logprobs).abs(), completion_mask),
+                "rollout/is_weight_mean": masked_mean(truncated_is_weights(old_logprobs, vllm_logprobs, vllm_is_cap),
+                                                      completion_mask),
+                "rollout/is_capped_frac": masked_mean((torch.exp(old_logprobs - vllm_logprobs) > vllm_is_cap).float(),
+                                                      completion_mask) if vllm_is_cap else 0.0,
+                "optim/lr": scheduler.get_last_lr()[0],
+                **{f"time/{k}": v for k, v in times.items()},
+                "throughput/tokens_per_s": completion_mask.sum() / times["step"],
+                **memory_metrics(llm),
+            })
+            if ref_logprobs is not None:
+                log_ref_ratio = ref_logprobs - old_logprobs
+                metrics["kl/ref"] = masked_mean(torch.exp(log_ref_ratio) - log_ref_ratio - 1, completion_mask)
+            metrics = dist.mean_over_ranks(metrics)
+            if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.steps:
+                eval_metrics = evaluate(llm, tokenizer, task, args.max_new_tokens, args.chat_template, args.system_prompt)
+                metrics.update(eval_metrics)
+            run.log(step + 1, metrics)
+            run.log_completions(step + 1, [e["prompt"] for e in examples], [c.text for c in completions], rewards,
+                                reward_parts, advantages)
+            progress.set_postfix(reward=f"{float(metrics['reward/mean']):.3f}",
+                                 eval_acc=f"{eval_metrics['eval/accuracy']:.3f}",
+                                 kl=f"{float(metrics.get('kl/ref', 0.0)):.4f}")
+            stop = interrupt.stop()  # under torchrun every rank stops after the same step
+            if (args.save_every and (step + 1) % args.save_every == 0) or stop:
+                path = checkpoint(step + 1)
+                if stop:
+                    print(f"saved checkpoint {path}; continue with --resume {path}")
+                    run.close()
+                    sys.exit(interrupt.exit_code)  # 130 (Ctrl-C), 143 (SIGTERM): not a finished run
+
+    run.finish(policy, tokenizer, eval_metrics)
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_args(Args))
+    except RunError as e:
+        sys.exit(f"error: {e}")
