@@ -9,16 +9,17 @@ r_t = -beta * KL_t. With gamma = 1 the return from token t is the reward-to-go
 
 (log-probs of the policy that sampled the batch, no gradient through the penalty; as a
 reward, k1 is an unbiased estimate of KL(pi || pi_ref) at samples of pi, k2 and k3 are biased
-ones with less variance), and the loss is the score-function estimator with a baseline b
-that does not depend on y_i:
+ones with less variance), and the loss is the score-function estimator with a baseline b:
 
     L = agg_{i,t} [ -w_t * (G_{i,t} - b) * logp_t ]   (agg seq-mean-token-sum, w = 1: -(R - b) sum_t logp_t)
     w_t  = min(pi_old(y_t) / pi_vllm(y_t), C)              (--vllm-is-cap C; vLLM's own numerics; 1 when off)
 
-b (--baseline): none; batch-mean, the mean return of this batch; moving-average, an
-exponential moving average of past batches' mean returns. A baseline leaves the expected
-gradient unchanged and lowers its variance. On-policy: one update per rollout batch, so
-no importance ratio and no clipping.
+b (--baseline): none; batch-mean, the mean return of this batch's N completions (over all
+ranks); moving-average, an exponential moving average of past batches' mean returns. A
+baseline that does not depend on y_i (none, moving-average) leaves the expected gradient
+unchanged and lowers its variance. The batch mean holds y_i's own return, G_i / N of it, so
+its expected gradient is (1 - 1/N) times the true one (RLOO's leave-one-out mean is not
+scaled). On-policy: one update per rollout batch, so no importance ratio and no clipping.
 """
 
 import os
@@ -119,7 +120,8 @@ class Args:
     min(pi_old / pi_vllm, C), as vLLM samples with its own numerics; None: 2 under bf16 precision
     (vLLM and the trainer differ by ~1e-2 there), off in fp32 (they agree to ~1e-5); 0: off"""
     ref_update_every: int = 0
-    """copy the policy into the reference every N steps (iterative GRPO); 0 never"""
+    """copy the policy into the reference every N steps (a reference reset, as DeepSeekMath's iterative GRPO
+    does); 0 never"""
 
     # infra
     precision: Literal["auto", "bf16", "fp32"] = "auto"

@@ -107,7 +107,8 @@ class Args:
     min(pi_old / pi_vllm, C), as vLLM samples with its own numerics; None: 2 under bf16 precision
     (vLLM and the trainer differ by ~1e-2 there), off in fp32 (they agree to ~1e-5); 0: off"""
     ref_update_every: int = 0
-    """copy the policy into the reference every N steps (iterative GRPO); 0 never"""
+    """copy the policy into the reference every N steps (a reference reset, as DeepSeekMath's iterative GRPO
+    does); 0 never"""
 
     # infra
     precision: Literal["auto", "bf16", "fp32"] = "auto"

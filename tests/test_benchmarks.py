@@ -83,11 +83,11 @@ def test_aggregate_over_seeds_by_hand():
 
 
 def test_tables_and_plots_from_run_folders(tmp_path):
-    configs = [bench.ALGORITHMS[0], bench.ALGORITHMS[3]]  # reinforce, grpo
+    configs = [bench.BY_NAME["reinforce"], bench.BY_NAME["grpo"]]
     for cfg in configs:
         for seed, metrics in SEEDS.items():
             write_run(tmp_path / "runs" / cfg.name / f"seed{seed}", metrics)
-    results = bench.collect(configs + [bench.ALGORITHMS[2]], [0, 1, 2], tmp_path / "runs", target=0.8)
+    results = bench.collect(configs + [bench.BY_NAME["ppo"]], [0, 1, 2], tmp_path / "runs", target=0.8)
     assert results["reinforce"]["status"] == "ok" and results["ppo"]["status"] == "failed"  # no run folders
     assert "curves" not in results["reinforce"]["per_seed"][0]  # per seed only the numbers: the plots show curves
     table = bench.comparison_table(results, 0.8).splitlines()

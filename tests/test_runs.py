@@ -213,7 +213,7 @@ def test_a_failed_final_save_leaves_no_final_model(tmp_path, tiny_policy, tokeni
 
 # ------------------------------------------------------------------ whole runs, in this process
 
-def test_resume_continues_the_run_and_carries_its_start(tmp_path, run_main, capsys):
+def test_resume_continues_the_run_and_carries_its_start(tmp_path, run_main, capsys, monkeypatch):
     """Three steps saved every step; resuming from step 1 abandons steps 2-3 (checkpoints,
     final model, summary), continues with the saved batch shape, and summary.json still
     knows the run's true start accuracy and its whole wall time."""
@@ -223,8 +223,24 @@ def test_resume_continues_the_run_and_carries_its_start(tmp_path, run_main, caps
     step_1 = out / "checkpoints" / "step_1"
     saved_wall_time = json.loads((step_1 / "run.json").read_text())["wall_time_s"]
 
+    # the restarted policy is the checkpoint's: what its first weight sync (right after loading) sees
+    from safetensors.torch import load_file
+
+    synced = []
+
+    def sync_weights(llm, model):
+        synced.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return real_sync(llm, model)
+
+    real_sync = grpo.sync_weights
+    monkeypatch.setattr(grpo, "sync_weights", sync_weights)
     args = run_main("grpo.py", "--resume", step_1, "--steps", "2")
     assert (args.prompts_per_step, args.micro_batch_size) == (4, 3)  # SMALL, not the defaults
+    saved = load_file(step_1 / "policy" / "model.safetensors")
+    restarted = {k: v for k, v in synced[0].items() if k in saved}
+    assert len(restarted) == len(saved) > 0
+    assert all(torch.equal(restarted[k], saved[k]) for k in saved)
+    assert not all(torch.equal(synced[-1][k], saved[k]) for k in saved)  # and it trained on from there
     printed = capsys.readouterr().out
     assert "resume: --steps 3 -> 2" in printed
     assert "removing what the run wrote after step 1: curves.png, final, step_2, step_3, summary.json" in printed

@@ -54,6 +54,7 @@ def trainer_logprobs(model, ids):
         return forward_logprobs(model, input_ids, attention_mask, len(ids) - 1)[0]
 
 
+@pytest.mark.slow  # converts 517 MiB
 def test_smollm2_converted_trained_and_synced_through_vllm(converted, smollm2_engine):
     cache, config = converted
     folder = cache / "models" / NAME
