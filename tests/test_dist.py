@@ -135,10 +135,11 @@ def test_a_two_process_checkpoint_resumes_in_one_process(launch, run_main, tmp_p
 
 
 def test_two_processes_give_the_gradient_and_the_step_of_one(tmp_path):
-    """The scripts' advantages and losses on one fixed batch (tests/dist_worker.py): the gradient
-    of 2 processes (each its half, global normalizers, FSDP2 summing) equals 1 process's to fp32
-    rounding, for GRPO's token-mean and seq-mean-token-mean, REINFORCE's batch-mean baseline and
-    PPO's whitening; so does AdamW's first step (clipped) wherever it is not a sign of noise."""
+    """The scripts' advantages and their own update on one fixed batch (tests/dist_worker.py): the
+    gradient the optimizer step sees (clipped) of 2 processes (each its half, global normalizers,
+    FSDP2 summing) equals 1 process's to fp32 rounding, for GRPO's token-mean and
+    seq-mean-token-mean, REINFORCE's batch-mean baseline and PPO's whitening; so does AdamW's
+    first step wherever it is not a sign of noise."""
     one = subprocess.run([sys.executable, "tests/dist_worker.py", tmp_path / "one.pt"], cwd=ROOT, capture_output=True,
                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert one.returncode == 0, one.stderr[-3000:]
@@ -155,6 +156,6 @@ def test_two_processes_give_the_gradient_and_the_step_of_one(tmp_path):
         # AdamW's first step is lr * g / (|g| + eps), eps 1e-8: where |g| is within a few orders of eps,
         # it magnifies the gradient's rounding noise
         d1, d2 = (torch.cat([v.flatten() for v in r[case]["delta"].values()]) for r in (one, two))
-        clear = g1.abs() > 1e-4
+        clear = g1.abs() > 3e-5  # of a gradient clipped to norm 1
         assert clear.float().mean() > 0.5, case
         assert torch.allclose(d1[clear], d2[clear], rtol=1e-5, atol=0), case
