@@ -1,11 +1,9 @@
-"""PPO for RLHF: a learned critic, GAE and KL-shaped per-token rewards (Schulman et al. 2017,
-arXiv:1707.06347; Ouyang et al. 2022; Huang et al. 2024, "The N+ implementation details of RLHF
-with PPO", arXiv:2403.17031).
+"""PPO for RLHF: a learned critic, GAE and KL-shaped per-token rewards (Schulman et al. 2017, arXiv:1707.06347;
+Ouyang et al. 2022; Huang et al. 2024, "The N+ implementation details of RLHF with PPO", arXiv:2403.17031).
 
 Four models: the policy pi, a frozen reference pi_ref, a critic V (a value head on its own
-transformer, initialized from the policy or from a reward model) and the reward: the task's
-verifier, or a sequence-classification reward model (--reward-model). Each completion is an
-episode whose per-token reward is a KL penalty, plus the sequence score R at its last token:
+transformer, initialized from the policy or a reward model) and the reward (the task's verifier
+or --reward-model). A completion is an episode: a KL penalty a token, the score R at its end:
 
     r_t = -beta * KL_t + [t = T] * (R - missing_eos_penalty * [no EOS])
     KL_t = old_t - ref_t                                   (k1, at the sampled token)
@@ -15,8 +13,7 @@ The advantage is GAE with the critic's values, over completion tokens only (V_{T
     delta_t = r_t + gamma * V_{t+1} - V_t
     A_t     = delta_t + gamma * lambda * A_{t+1},     returns_t = A_t + V_t
 
-whitened over the batch's tokens. Policy and critic minimize, over num_epochs x
-num_minibatches updates per rollout batch,
+whitened over the batch's tokens. Policy and critic minimize (num_epochs x num_minibatches steps a batch)
 
     L = agg_t [ -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t) * w_t ]
         + vf_coef * agg_t [ 0.5 * max((V_t - returns_t)^2, (clip(V_t, V_old_t +- vf_clip) - returns_t)^2) ]
@@ -32,7 +29,6 @@ import os
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: weight sync is a copy
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the progress bar is the output, not vLLM's INFO lines
 
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -40,20 +36,20 @@ from typing import Annotated, Literal
 
 import torch
 import tyro
-from tqdm import tqdm
-from vllm import SamplingParams
 
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification
 
 from common import dist
-from common.errors import RunError, need
-from common.models import (awake, check_model, create_engine, encode_prompts, freeze, load_policy, load_pretrained,
-                           load_reference, load_tokenizer, resolve_model, stop_token_ids, sync_weights)
-from common.ops import (aggregate, batched_logprobs, forward_logprobs, make_batch, masked_mean, micro_batches,
-                        truncated_is_weights)
-from common.rewards import load_reward
-from common.tasks import evaluate, load_task
-from common.utils import GracefulInterrupt, Run, check_args, memory_metrics, parse_args, seed_everything, timed
+from common.args import cli
+from common.batch import micro_batches, rollout_batch
+from common.engine import awake, create_engine, sampled_logprobs, sampling_params, sync_weights
+from common.errors import need
+from common.metrics import step_metrics, timed
+from common.models import check_model, encode_prompts, load_policy, load_pretrained, load_reference
+from common.ops import aggregate, batched_logprobs, forward_logprobs, masked_mean, truncated_is_weights
+from common.rewards import load_reward_model, reward_model_scores
+from common.run import Run, seed_everything
+from common.setup import Precision, engine_options, prepare
 
 
 @dataclass
@@ -78,7 +74,7 @@ class Args:
     """empty --output-dir first if an earlier run is in it (without it, such a folder is refused)"""
     resume: str | None = None
     """checkpoint (runs/.../checkpoints/step_N) or run folder (its latest checkpoint) to continue;
-    the run's own arguments are restored (see RESUMABLE_CHANGES in common/utils.py)"""
+    the run's own arguments are restored (see RESUMABLE_CHANGES in common/args.py)"""
 
     # rollout
     prompts_per_step: int = 32
@@ -153,9 +149,8 @@ class Args:
     mask_truncated_completions: bool = False
     """leave completions that hit max_new_tokens (no EOS) out of the loss"""
     vllm_is_cap: float | None = None
-    """C of truncated importance sampling: the policy-gradient term of each token is weighted by
-    min(pi_old / pi_vllm, C), as vLLM samples with its own numerics; None: 2 under bf16 precision
-    (vLLM and the trainer differ by ~1e-2 there), off in fp32 (they agree to ~1e-5); 0: off"""
+    """C of truncated importance sampling: each token's policy gradient is weighted by min(pi_old / pi_vllm, C),
+    as vLLM samples with its own numerics; None: 2 in bf16 (~1e-2 apart), off in fp32 (~1e-5 apart); 0: off"""
 
     # infra
     precision: Literal["auto", "bf16", "fp32"] = "auto"
@@ -177,8 +172,7 @@ class Args:
     save_every: int = 50
     """checkpoint every N steps; 0 only on Ctrl-C"""
     log_completions: int = 4
-    """completions written to completions.jsonl each step with their prompt, rewards and advantage
-    (a W&B table with --track); 0: none"""
+    """completions a step written to completions.jsonl with prompt, rewards, advantage (W&B table with --track)"""
     tensorboard: bool = False
     track: bool = False
     """log to Weights & Biases"""
@@ -212,24 +206,6 @@ def forward_values(critic, input_ids, attention_mask, num_completion_tokens: int
     hidden = critic.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=False).last_hidden_state[:, -C - 1:-1]
     return critic.score(hidden).squeeze(-1).float()
-
-
-@torch.no_grad()
-def reward_model_scores(reward_model, rm_tokenizer, texts: list[str], device: str, micro_batch_size: int):
-    """The reward model's score of each text (prompt + completion as generated, end-of-turn
-    token included: what a reward model is trained to read), at its last real token, a
-    micro-batch at a time. A text that starts with BOS (a decoded prompt) gets no second one."""
-    bos = rm_tokenizer.bos_token
-    if bos is not None and rm_tokenizer("")["input_ids"][:1] == [rm_tokenizer.bos_token_id]:
-        texts = [t.removeprefix(bos) for t in texts]
-    scores = []
-    for i in range(0, len(texts), micro_batch_size):
-        batch = rm_tokenizer(texts[i:i + micro_batch_size], return_tensors="pt", padding=True,
-                             padding_side="right").to(device)
-        hidden = reward_model.base_model(**batch, use_cache=False).last_hidden_state
-        last = batch["attention_mask"].sum(1) - 1
-        scores.append(reward_model.score(hidden[torch.arange(len(last), device=device), last]).squeeze(-1).float())
-    return torch.cat(scores)
 
 
 def compute_token_rewards(scores, kl, mask, kl_coef: float):
@@ -300,8 +276,25 @@ def compute_loss(logprobs, old_logprobs, advantages, values, old_values, returns
     return loss, stats
 
 
-def update(policy, critic, optimizer, scheduler, args: Args, vllm_is_cap: float, autocast_dtype, input_ids,
-           attention_mask, completion_mask, loss_mask, old_logprobs, vllm_logprobs, advantages, old_values, returns):
+def check(args: Args) -> None:
+    """This algorithm's own checks, one line each (the shared ones: common/args.py check_args)."""
+    need(0 <= args.eps_low < 1, f"--eps-low must be in [0, 1), got {args.eps_low}")
+    need(args.eps_high >= 0, f"--eps-high must be >= 0, got {args.eps_high}")
+    need(args.target_kl is None or args.target_kl > 0, f"--target-kl must be positive, got {args.target_kl}")
+    need(args.target_kl is None or args.kl_coef > 0, "--target-kl needs --kl-coef > 0 (its initial value)")
+    need(args.kl_horizon > 0, f"--kl-horizon must be positive, got {args.kl_horizon}")
+    need(0 <= args.gamma <= 1 and 0 <= args.lam <= 1,
+         f"--gamma and --lam must be in [0, 1], got {args.gamma} and {args.lam}")
+    need(args.vf_coef >= 0 and args.vf_clip > 0,
+         f"--vf-coef must be >= 0 and --vf-clip > 0, got {args.vf_coef} and {args.vf_clip}")
+    need(not (args.reward and args.reward_model), "--reward and --reward-model both define the reward: give one")
+    need(args.critic_lr > 0, f"--critic-lr must be positive, got {args.critic_lr}")
+    for path in filter(None, (args.critic_model, args.reward_model)):
+        check_model(path)
+
+
+def update(policy, critic, optimizer, scheduler, args: Args, precision, input_ids, attention_mask, completion_mask,
+           loss_mask, old_logprobs, vllm_logprobs, advantages, old_values, returns):
     """Step 5 on one rollout batch ([B, C] tensors): num_epochs x num_minibatches optimizer steps of
     policy and critic, each loss accumulated over micro-batches. Returns the per-micro-batch
     statistics and the old log-probs."""
@@ -315,12 +308,13 @@ def update(policy, critic, optimizer, scheduler, args: Args, vllm_is_cap: float,
             mb_loss = 0.0
             # micro-batches of similar length, each cut to its longest row: [micro, :c] lines up
             for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
-                with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                with precision.autocast(device):
                     logprobs, entropy = forward_logprobs(policy, input_ids[micro, cols], attention_mask[micro, cols],
                                                          c, args.temperature, with_entropy=True)
                     values = forward_values(critic, input_ids[micro, cols], attention_mask[micro, cols], c)
                 # vLLM sampled from its own numerics, not exactly pi_old: truncated importance weights
-                vllm_is_weights = truncated_is_weights(old_logprobs[micro, :c], vllm_logprobs[micro, :c], vllm_is_cap)
+                vllm_is_weights = truncated_is_weights(old_logprobs[micro, :c], vllm_logprobs[micro, :c],
+                                                       precision.vllm_is_cap)
                 loss, stats = compute_loss(logprobs, old_logprobs[micro, :c], advantages[micro, :c], values,
                                            old_values[micro, :c], returns[micro, :c], vllm_is_weights,
                                            loss_mask[micro, :c], args, num_tokens, num_seqs)
@@ -343,216 +337,114 @@ def update(policy, critic, optimizer, scheduler, args: Args, vllm_is_cap: float,
 def main(args: Args) -> None:
     # ---------------------------------------------------------------- setup
     device = dist.init()  # under torchrun: the ranks' process group, before vLLM exists (see common/dist.py)
-    config = check_model(args.model)
-    task = load_task(args.task, seed=args.seed)
-    reward_fn = load_reward(args.reward, task)  # checked on a probe, before anything heavy
-    tokenizer = load_tokenizer(args.model)
-    max_prompt_len = max(len(p) for p in encode_prompts(tokenizer, [e["prompt"] for e in task.train + task.eval],
-                                                        args.chat_template, args.system_prompt))
-    check_args(args, max_context=config.max_position_embeddings, max_prompt_len=max_prompt_len, min_completions=1)
-    need(0 <= args.eps_low < 1, f"--eps-low must be in [0, 1), got {args.eps_low}")
-    need(args.eps_high >= 0, f"--eps-high must be >= 0, got {args.eps_high}")
-    need(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
-    need(args.target_kl is None or args.target_kl > 0, f"--target-kl must be positive, got {args.target_kl}")
-    need(args.target_kl is None or args.kl_coef > 0, "--target-kl needs --kl-coef > 0 (its initial value)")
-    need(args.kl_horizon > 0, f"--kl-horizon must be positive, got {args.kl_horizon}")
-    need(0 <= args.gamma <= 1 and 0 <= args.lam <= 1,
-         f"--gamma and --lam must be in [0, 1], got {args.gamma} and {args.lam}")
-    need(args.vf_coef >= 0 and args.vf_clip > 0,
-         f"--vf-coef must be >= 0 and --vf-clip > 0, got {args.vf_coef} and {args.vf_clip}")
-    need(not (args.reward and args.reward_model), "--reward and --reward-model both define the reward: give one")
-    need(args.critic_lr > 0, f"--critic-lr must be positive, got {args.critic_lr}")
-    for path in (args.critic_model, args.reward_model):
-        if path is not None:
-            check_model(path)
-    need(args.vllm_is_cap is None or args.vllm_is_cap == 0 or args.vllm_is_cap >= 1,
-         f"--vllm-is-cap must be 0 (off) or >= 1, got {args.vllm_is_cap}")
-    need(args.lora_rank >= 0 and args.lora_alpha > 0, f"--lora-rank must be >= 0 and --lora-alpha > 0, got "
-         f"{args.lora_rank} and {args.lora_alpha}")
+    # every check before anything heavy; one completion per prompt is enough (no group baseline)
+    task, reward_fn, tokenizer, max_prompt_len = prepare(args, check, min_completions=1)
     run = Run(args)  # the run folder (new, or the resumed run's), checked before anything heavy
-    bf16 = args.precision == "bf16" or (args.precision == "auto" and device == "cuda")
-    autocast_dtype = torch.bfloat16 if bf16 else None
-    frozen_dtype = "bfloat16" if bf16 else args.dtype  # forward-only models: half the memory
-    vllm_is_cap = args.vllm_is_cap if args.vllm_is_cap is not None else (2.0 if bf16 else 0.0)
-
-    llm = create_engine(args.model, seed=args.seed + dist.rank(), max_model_len=max_prompt_len + args.max_new_tokens,
-                        dtype="bfloat16" if bf16 else "float32",
-                        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                        cpu_kv_cache_gib=args.vllm_cpu_kv_cache_gib, sleep_mode=args.vllm_sleep)
+    precision = Precision.of(args, device)  # bf16 autocast or fp32: --precision
+    llm = create_engine(args.model, **engine_options(args, max_prompt_len, precision))
     seed_everything(args.seed)  # after the engine: in-process vLLM reseeds the global RNGs
     policy = dist.shard(load_policy(args.model, tokenizer, args.dtype, device, args.gradient_checkpointing,
                                     args.lora_rank, args.lora_alpha, args.lora_target_modules,
                                     args.resume and os.path.join(args.resume, "policy")))
     # the reference is the initial model, also when resuming (under LoRA: the policy, adapters off)
-    ref_model = dist.shard(load_reference(args.model, tokenizer, frozen_dtype, device, policy)) if args.kl_coef > 0 \
-        else None
+    ref_model = dist.shard(load_reference(args.model, tokenizer, precision.frozen_dtype, device, policy)) \
+        if args.kl_coef > 0 else None
     critic = load_critic(args.resume and os.path.join(args.resume, "critic") or args.critic_model or args.model,
                          tokenizer, args.dtype, device, args.gradient_checkpointing)
     critic = dist.shard(critic, called_alone=(critic.base_model, critic.score))  # see forward_values
-    reward_model = rm_tokenizer = None
-    if args.reward_model is not None:
-        reward_model = freeze(load_pretrained(AutoModelForSequenceClassification, args.reward_model, frozen_dtype,
-                                              num_labels=1)[0].to(device))
-        rm_tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.reward_model))
-        if rm_tokenizer.pad_token is None:
-            rm_tokenizer.pad_token = rm_tokenizer.eos_token  # right padding, scores read before it
+    reward_model = args.reward_model and load_reward_model(args.reward_model, precision.frozen_dtype, device)
     optimizer = torch.optim.AdamW([{"params": [p for p in policy.parameters() if p.requires_grad], "lr": args.lr},
                                    {"params": critic.parameters(), "lr": args.critic_lr}],
                                   weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     prompt_sampler = torch.Generator().manual_seed(args.seed)
-    kl_coef = args.kl_coef
-    if args.resume:
-        state = run.load_checkpoint({"policy": policy, "critic": critic}, optimizer)
-        scheduler.load_state_dict(state["scheduler"])
-        prompt_sampler.set_state(state["prompt_sampler"])
-        kl_coef = state["kl_coef"]
+    state = run.restore({"policy": policy, "critic": critic}, optimizer, scheduler, prompt_sampler)  # on --resume
+    kl_coef = state.get("kl_coef", args.kl_coef)  # adapted by the KL controller (--target-kl)
     sync_weights(llm, policy)  # vLLM loaded args.model; after --resume the policy differs
-
-    def checkpoint(step: int) -> str:
-        state = {"scheduler": scheduler.state_dict(), "prompt_sampler": prompt_sampler.get_state(), "kl_coef": kl_coef}
-        return run.save_checkpoint(step, {"policy": policy, "critic": critic}, tokenizer, state, optimizer)
-
-    print(f"{args.exp_name}: {args.model} on {args.task} ({device}), {args.steps} steps of "
-          f"{args.prompts_per_step} prompts x {args.completions_per_prompt} completions -> {run.dir}")
-    first_eval = evaluate(llm, tokenizer, task, args.max_new_tokens, args.chat_template, args.system_prompt)
-    if run.start_step == 0:
-        run.log(0, first_eval)
-    # the template's end-of-turn token ends a completion like EOS (and stays in its loss mask)
-    sampling_params = SamplingParams(n=args.completions_per_prompt, temperature=args.temperature,
-                                     max_tokens=args.max_new_tokens, logprobs=0,
-                                     stop_token_ids=stop_token_ids(tokenizer))
+    run.start(llm, tokenizer, task)  # says what runs where, evaluates the starting policy
+    rollout_params = sampling_params(args, tokenizer)  # G completions a prompt, ending at EOS or end of turn
     G, B = args.completions_per_prompt, args.prompts_per_step // dist.world_size() * args.completions_per_prompt
-    metrics, eval_metrics = {}, first_eval
-    progress = tqdm(range(run.start_step, args.steps), initial=run.start_step, total=args.steps, desc=args.exp_name,
-                    disable=not dist.is_main())
-    with GracefulInterrupt() as interrupt:
-        for step in progress:
-            times = {}
-            t_step = time.perf_counter()
-            # ---------------------------------------------------------------- 1. rollout
-            with timed(times, "rollout"):
-                idx = torch.randint(len(task.train), (args.prompts_per_step,), generator=prompt_sampler).tolist()
-                examples = dist.share([task.train[i] for i in idx])  # this rank's prompts: B = len(examples) * G
-                prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in examples], args.chat_template,
-                                            args.system_prompt)
-                with awake(llm):  # with sleep mode (CUDA), vLLM's memory is freed again after the rollout
-                    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], sampling_params,
-                                           use_tqdm=False)
-                completions = [c for out in outputs for c in out.outputs]  # G per prompt, consecutive
+    for step in run.steps():  # a progress bar; Ctrl-C / SIGTERM: this step ends, is saved, exit
+        times = {}
+        t_step = time.perf_counter()
+        # ---------------------------------------------------------------- 1. rollout
+        with timed(times, "rollout"):
+            idx = torch.randint(len(task.train), (args.prompts_per_step,), generator=prompt_sampler).tolist()
+            examples = dist.share([task.train[i] for i in idx])  # this rank's prompts: B = len(examples) * G
+            prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in examples], args.chat_template,
+                                        args.system_prompt)
+            with awake(llm):  # with sleep mode (CUDA), vLLM's memory is freed again after the rollout
+                outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], rollout_params, use_tqdm=False)
+            completions = [c for out in outputs for c in out.outputs]  # G per prompt, consecutive
 
-            # ---------------------------------------------------------------- 2. reward
-            rewards, reward_parts = reward_fn([c.text for c in completions], [examples[i // G] for i in range(B)])
-            truncated = torch.tensor([c.finish_reason == "length" for c in completions])
-            if reward_model is not None:  # reward_parts keep the task's verifier, logged as reward/correct_mean
-                prompt_texts = tokenizer.batch_decode(prompt_ids, skip_special_tokens=False)
-                rewards = reward_model_scores(reward_model, rm_tokenizer, [
-                    prompt_texts[i // G] + tokenizer.decode(c.token_ids, skip_special_tokens=False)
-                    for i, c in enumerate(completions)], device, args.micro_batch_size).cpu()
-            scores = rewards - args.missing_eos_penalty * truncated.float()
+        # ---------------------------------------------------------------- 2. reward
+        rewards, reward_parts = reward_fn([c.text for c in completions], [examples[i // G] for i in range(B)])
+        truncated = torch.tensor([c.finish_reason == "length" for c in completions])
+        if reward_model:  # reward_parts keep the task's verifier, logged as reward/correct_mean
+            prompt_texts = tokenizer.batch_decode(prompt_ids, skip_special_tokens=False)
+            rewards = reward_model_scores(*reward_model, [
+                prompt_texts[i // G] + tokenizer.decode(c.token_ids, skip_special_tokens=False)
+                for i, c in enumerate(completions)], device, args.micro_batch_size).cpu()
+        scores = rewards - args.missing_eos_penalty * truncated.float()
 
-            # ---------------------------------------------------------------- 3. old / ref log-probs
-            with timed(times, "logprobs"):
-                input_ids, attention_mask, completion_mask = make_batch(
-                    [p for p in prompt_ids for _ in range(G)], [list(c.token_ids) for c in completions],
-                    tokenizer.pad_token_id, device)
-                truncated = truncated.to(device)
-                loss_mask = completion_mask.clone()
-                if args.mask_truncated_completions:
-                    loss_mask[truncated] = 0  # no EOS: we don't know how these would have ended
-                C = completion_mask.shape[1]
-                old_logprobs = batched_logprobs(policy, input_ids, attention_mask, C, args.temperature,
-                                                args.micro_batch_size, autocast_dtype)
-                ref_logprobs = None
-                if ref_model is not None:
-                    ref_logprobs = batched_logprobs(ref_model, input_ids, attention_mask, C, args.temperature,
-                                                    args.micro_batch_size, autocast_dtype)
-                old_values = torch.zeros_like(old_logprobs)
-                with torch.no_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                    for micro, cols, c in micro_batches(torch.arange(B, device=device), input_ids, attention_mask, C,
-                                                        args.micro_batch_size):
-                        old_values[micro, :c] = forward_values(critic, input_ids[micro, cols],
-                                                               attention_mask[micro, cols], c)
-                vllm_logprobs = torch.zeros_like(old_logprobs)
-                for i, c in enumerate(completions):
-                    vllm_logprobs[i, :len(c.token_ids)] = torch.tensor(
-                        [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+        # ---------------------------------------------------------------- 3. old / ref log-probs
+        with timed(times, "logprobs"):
+            input_ids, attention_mask, completion_mask, loss_mask, truncated = rollout_batch(
+                prompt_ids, completions, tokenizer.pad_token_id, device, args.mask_truncated_completions)
+            C = completion_mask.shape[1]
+            old_logprobs = batched_logprobs(policy, input_ids, attention_mask, C, args.temperature,
+                                            args.micro_batch_size, precision.autocast_dtype)
+            ref_logprobs = None
+            if ref_model is not None:
+                ref_logprobs = batched_logprobs(ref_model, input_ids, attention_mask, C, args.temperature,
+                                                args.micro_batch_size, precision.autocast_dtype)
+            old_values = torch.zeros_like(old_logprobs)
+            with torch.no_grad(), precision.autocast(device):
+                for micro, cols, c in micro_batches(torch.arange(B, device=device), input_ids, attention_mask, C,
+                                                    args.micro_batch_size):
+                    old_values[micro, :c] = forward_values(critic, input_ids[micro, cols],
+                                                           attention_mask[micro, cols], c)
+            vllm_logprobs = sampled_logprobs(completions, C, device)  # vLLM's own, for the mismatch
 
-            # ---------------------------------------------------------------- 4. advantage
-            kl = torch.zeros_like(old_logprobs) if ref_logprobs is None else old_logprobs - ref_logprobs
-            token_rewards = compute_token_rewards(scores.to(device), kl, loss_mask, kl_coef)
-            advantages, returns = compute_advantages(token_rewards, old_values, loss_mask, args.gamma, args.lam)
-            if args.whiten_advantages:
-                advantages = whiten(advantages, loss_mask)
+        # ---------------------------------------------------------------- 4. advantage
+        kl = torch.zeros_like(old_logprobs) if ref_logprobs is None else old_logprobs - ref_logprobs
+        token_rewards = compute_token_rewards(scores.to(device), kl, loss_mask, kl_coef)
+        advantages, returns = compute_advantages(token_rewards, old_values, loss_mask, args.gamma, args.lam)
+        if args.whiten_advantages:
+            advantages = whiten(advantages, loss_mask)
 
-            # ---------------------------------------------------------------- 5. update
-            with timed(times, "train"):
-                step_stats, old_logprobs = update(policy, critic, optimizer, scheduler, args, vllm_is_cap,
-                                                  autocast_dtype, input_ids, attention_mask, completion_mask,
-                                                  loss_mask, old_logprobs, vllm_logprobs, advantages, old_values,
-                                                  returns)
+        # ---------------------------------------------------------------- 5. update
+        with timed(times, "train"):
+            step_stats, old_logprobs = update(policy, critic, optimizer, scheduler, args, precision, input_ids,
+                                              attention_mask, completion_mask, loss_mask, old_logprobs,
+                                              vllm_logprobs, advantages, old_values, returns)
 
-            # ---------------------------------------------------------------- 6. sync
-            with timed(times, "sync"):
-                sync_weights(llm, policy)
+        # ---------------------------------------------------------------- 6. sync
+        with timed(times, "sync"):
+            sync_weights(llm, policy)
 
-            # ---------------------------------------------------------------- 7. log / eval / checkpoint
-            times["step"] = time.perf_counter() - t_step
-            metrics = {k: sum(v) / len(v) for k, v in step_stats.items()}
-            metrics.update({
-                "reward/mean": rewards.mean(), "reward/std": rewards.std(),
-                **{f"reward/{k}_mean": v.mean() for k, v in reward_parts.items()},
-                "response/length_mean": completion_mask.sum(1).float().mean(),
-                "response/truncated_frac": truncated.float().mean(),
-                "rollout/logprob_mismatch": masked_mean((vllm_logprobs - old_logprobs).abs(), completion_mask),
-                "rollout/is_weight_mean": masked_mean(truncated_is_weights(old_logprobs, vllm_logprobs, vllm_is_cap),
-                                                      completion_mask),
-                "rollout/is_capped_frac": masked_mean((torch.exp(old_logprobs - vllm_logprobs) > vllm_is_cap).float(),
-                                                      completion_mask) if vllm_is_cap else 0.0,
-                "optim/lr": scheduler.get_last_lr()[0],
-                **{f"time/{k}": v for k, v in times.items()},
-                "throughput/tokens_per_s": completion_mask.sum() / times["step"],
-                **memory_metrics(llm),
-            })
-            if ref_logprobs is not None:
-                log_ref_ratio = ref_logprobs - old_logprobs
-                metrics["kl/ref"] = masked_mean(torch.exp(log_ref_ratio) - log_ref_ratio - 1, completion_mask)
-                kl_per_seq = dist.global_mean((kl * loss_mask).sum(1)).item()  # over all ranks' sequences
-                metrics.update({"kl/token_mean": masked_mean(kl, loss_mask), "kl/seq_mean": kl_per_seq,
-                                "kl/coef": kl_coef})
-                kl_coef = update_kl_coef(kl_coef, kl_per_seq, B * dist.world_size(), args)
-            valid = loss_mask.bool()
-            metrics.update({
-                "reward/score_mean": scores.mean(),  # the sequence score after the missing-EOS penalty
-                "reward/shaped_mean": (token_rewards * loss_mask).sum(1).mean(),  # score - beta * sum_t KL_t
-                "value/mean": masked_mean(old_values, loss_mask),
-                # 1 - Var(returns - V) / Var(returns): how much of the return the critic predicts
-                "value/explained_variance": 1 - (returns - old_values)[valid].var()
-                / returns[valid].var().clamp(min=1e-8),
-            })
-            metrics = dist.mean_over_ranks(metrics)
-            if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.steps:
-                eval_metrics = evaluate(llm, tokenizer, task, args.max_new_tokens, args.chat_template, args.system_prompt)
-                metrics.update(eval_metrics)
-            run.log(step + 1, metrics)
-            run.log_completions(step + 1, [e["prompt"] for e in examples], [c.text for c in completions], rewards,
-                                reward_parts, advantages)
-            progress.set_postfix(reward=f"{float(metrics['reward/mean']):.3f}",
-                                 eval_acc=f"{eval_metrics['eval/accuracy']:.3f}",
-                                 kl=f"{float(metrics.get('kl/ref', 0.0)):.4f}")
-            stop = interrupt.stop()  # under torchrun every rank stops after the same step
-            if (args.save_every and (step + 1) % args.save_every == 0) or stop:
-                path = checkpoint(step + 1)
-                if stop:
-                    print(f"saved checkpoint {path}; continue with --resume {path}")
-                    run.close()
-                    sys.exit(interrupt.exit_code)  # 130 (Ctrl-C), 143 (SIGTERM): not a finished run
+        # ---------------------------------------------------------------- 7. log / eval / checkpoint
+        times["step"] = time.perf_counter() - t_step
+        metrics = step_metrics(step_stats, rewards, reward_parts, completion_mask, truncated, old_logprobs,
+                               vllm_logprobs, ref_logprobs, precision.vllm_is_cap, scheduler, times, llm)
+        if ref_logprobs is not None:
+            kl_per_seq = dist.global_mean((kl * loss_mask).sum(1)).item()  # over all ranks' sequences
+            metrics.update({"kl/token_mean": masked_mean(kl, loss_mask), "kl/seq_mean": kl_per_seq, "kl/coef": kl_coef})
+            kl_coef = update_kl_coef(kl_coef, kl_per_seq, B * dist.world_size(), args)
+        valid = loss_mask.bool()  # the explained variance: 1 - Var(returns - V) / Var(returns)
+        metrics.update({
+            "reward/score_mean": scores.mean(),  # the sequence score after the missing-EOS penalty
+            "reward/shaped_mean": (token_rewards * loss_mask).sum(1).mean(),  # score - beta * sum_t KL_t
+            "value/mean": masked_mean(old_values, loss_mask),
+            "value/explained_variance": 1 - (returns - old_values)[valid].var()
+            / returns[valid].var().clamp(min=1e-8),
+        })
+        run.log_completions(step + 1, [e["prompt"] for e in examples], [c.text for c in completions], rewards,
+                            reward_parts, advantages)
+        run.end_step(step + 1, metrics, kl_coef=kl_coef)  # eval, log, save when due
 
-    run.finish(policy, tokenizer, eval_metrics)
+    run.finish(policy, tokenizer, run.eval_metrics)
 
 
 if __name__ == "__main__":
-    try:
-        main(parse_args(Args))
-    except RunError as e:
-        sys.exit(f"error: {e}")
+    cli(main, Args)

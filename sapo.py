@@ -1,25 +1,24 @@
 """SAPO: Soft Adaptive Policy Optimization (Gao et al. 2025, Qwen, arXiv:2511.20347).
 
-GRPO's group-normalized advantages (no critic):
+GRPO's advantages, but no hard clip: each token's ratio passes through a smooth gate whose
+temperature depends on the sign of the advantage:
 
-    A_i = (R_i - mean_j R_j) / (std_j R_j + eps)          (--no-scale-rewards: no std)
-
-but no hard clip: each token's ratio passes through a smooth gate whose temperature depends
-on the sign of the advantage:
-
-    L = agg_{i,t} [ -f(r_t) A_i * w_t + beta * KL_t ]
+    L    = agg_{i,t} [ -f(r_t) A_i * w_t + beta * KL_t ]
     f(r) = (4 / tau) * sigmoid(tau * (r - 1)),    tau = tau_pos if A_i > 0 else tau_neg
-    r_t  = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t)
-    w_t  = min(pi_old(y_t) / pi_vllm(y_t), C)              (--vllm-is-cap C; vLLM's own numerics; 1 when off)
-    KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1     (k3; the paper uses none: --kl-coef 0)
 
 The gradient of f(r_t) A_i is 4 s (1 - s) r_t A_i grad log pi(y_t), s = sigmoid(tau (r_t - 1)):
 GRPO's own gradient at r_t = 1 (4 s (1 - s) = 1 there), fading smoothly as r_t leaves 1
 instead of stopping at a clip boundary, so a few off-policy tokens lose their weight
 without silencing the rest. tau_neg > tau_pos fades tokens of negative advantage sooner
 (the paper: their updates are less stable). agg is --loss-agg (the paper: mean over tokens,
-then over sequences). Each rollout batch is reused for num_epochs x num_minibatches
-optimizer steps, so r_t moves away from 1 and the gate matters.
+then over sequences); the paper uses no KL (--kl-coef 0).
+
+The notation GRPO's family shares, the same block in each of its scripts:
+
+    A_i  = (R_i - mean_j R_j) / (std_j R_j + eps)         (--no-scale-rewards: no std)
+    r_t  = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t)      (num_epochs x num_minibatches steps a batch: r_t leaves 1)
+    w_t  = min(pi_old(y_t) / pi_vllm(y_t), C)              (--vllm-is-cap C: vLLM's own numerics; 1 when off)
+    KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1     (k3; beta = --kl-coef, 0: no reference model)
 """
 
 import os
@@ -27,7 +26,6 @@ import os
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: weight sync is a copy
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the progress bar is the output, not vLLM's INFO lines
 
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -35,18 +33,17 @@ from typing import Annotated, Literal
 
 import torch
 import tyro
-from tqdm import tqdm
-from vllm import SamplingParams
 
 from common import dist
-from common.errors import RunError, need
-from common.models import (awake, check_model, create_engine, encode_prompts, load_policy, load_reference,
-                           load_tokenizer, stop_token_ids, sync_weights)
-from common.ops import (aggregate, batched_logprobs, forward_logprobs, make_batch, masked_mean, micro_batches,
-                        truncated_is_weights)
-from common.rewards import load_reward
-from common.tasks import evaluate, load_task
-from common.utils import GracefulInterrupt, Run, check_args, memory_metrics, parse_args, seed_everything, timed
+from common.args import cli
+from common.batch import micro_batches, rollout_batch
+from common.engine import awake, create_engine, sampled_logprobs, sampling_params, sync_weights
+from common.errors import need
+from common.metrics import step_metrics, timed
+from common.models import encode_prompts, load_policy, load_reference
+from common.ops import aggregate, batched_logprobs, forward_logprobs, masked_mean, truncated_is_weights
+from common.run import Run, seed_everything
+from common.setup import Precision, engine_options, prepare
 
 
 @dataclass
@@ -71,7 +68,7 @@ class Args:
     """empty --output-dir first if an earlier run is in it (without it, such a folder is refused)"""
     resume: str | None = None
     """checkpoint (runs/.../checkpoints/step_N) or run folder (its latest checkpoint) to continue;
-    the run's own arguments are restored (see RESUMABLE_CHANGES in common/utils.py)"""
+    the run's own arguments are restored (see RESUMABLE_CHANGES in common/args.py)"""
 
     # rollout
     prompts_per_step: int = 32
@@ -121,9 +118,8 @@ class Args:
     mask_truncated_completions: bool = False
     """leave completions that hit max_new_tokens (no EOS) out of the loss"""
     vllm_is_cap: float | None = None
-    """C of truncated importance sampling: the policy-gradient term of each token is weighted by
-    min(pi_old / pi_vllm, C), as vLLM samples with its own numerics; None: 2 under bf16 precision
-    (vLLM and the trainer differ by ~1e-2 there), off in fp32 (they agree to ~1e-5); 0: off"""
+    """C of truncated importance sampling: each token's policy gradient is weighted by min(pi_old / pi_vllm, C),
+    as vLLM samples with its own numerics; None: 2 in bf16 (~1e-2 apart), off in fp32 (~1e-5 apart); 0: off"""
     ref_update_every: int = 0
     """copy the policy into the reference every N steps (a reference reset, as DeepSeekMath's iterative GRPO
     does); 0 never"""
@@ -148,8 +144,7 @@ class Args:
     save_every: int = 50
     """checkpoint every N steps; 0 only on Ctrl-C"""
     log_completions: int = 4
-    """completions written to completions.jsonl each step with their prompt, rewards and advantage
-    (a W&B table with --track); 0: none"""
+    """completions a step written to completions.jsonl with prompt, rewards, advantage (W&B table with --track)"""
     tensorboard: bool = False
     track: bool = False
     """log to Weights & Biases"""
@@ -193,12 +188,17 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, vllm_is_weigh
     return loss, stats
 
 
-def update(policy, optimizer, scheduler, args: Args, vllm_is_cap: float, autocast_dtype, input_ids, attention_mask,
-           completion_mask, loss_mask, old_logprobs, ref_logprobs, vllm_logprobs, advantages):
-    """Step 5 on one rollout batch ([B, C] tensors, advantages [B]): num_epochs x num_minibatches
-    optimizer steps, each loss accumulated over micro-batches. old_logprobs None: one optimizer
-    step on the batch, so pi_old is the very policy the update differentiates, and its own forward
-    gives them (detached). Returns the per-micro-batch statistics and the old log-probs."""
+def check(args: Args) -> None:
+    """This algorithm's own checks, one line each (the shared ones: common/args.py check_args)."""
+    need(args.tau_pos > 0 and args.tau_neg > 0, f"--tau-pos and --tau-neg must be positive, got {args.tau_pos} "
+                                                f"and {args.tau_neg}")
+
+
+def update(policy, optimizer, scheduler, args: Args, precision, input_ids, attention_mask, completion_mask, loss_mask,
+           old_logprobs, ref_logprobs, vllm_logprobs, advantages):
+    """Step 5 on one rollout batch ([B, C] tensors, advantages [B]): num_epochs x num_minibatches optimizer
+    steps, each loss accumulated over micro-batches. old_logprobs None (one optimizer step): pi_old is the
+    policy differentiated, and its forward gives them. Returns the statistics and the old log-probs."""
     (B, C), device = loss_mask.shape, input_ids.device.type
     reuse_forward = old_logprobs is None
     if reuse_forward:  # filled as the update reaches each micro-batch
@@ -211,13 +211,14 @@ def update(policy, optimizer, scheduler, args: Args, vllm_is_cap: float, autocas
             mb_loss = 0.0
             # micro-batches of similar length, each cut to its longest row: [micro, :c] lines up
             for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
-                with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                with precision.autocast(device):
                     logprobs, entropy = forward_logprobs(policy, input_ids[micro, cols], attention_mask[micro, cols],
                                                          c, args.temperature, with_entropy=True)
                 if reuse_forward:
                     old_logprobs[micro, :c] = logprobs.detach()
                 # vLLM sampled from its own numerics, not exactly pi_old: truncated importance weights
-                vllm_is_weights = truncated_is_weights(old_logprobs[micro, :c], vllm_logprobs[micro, :c], vllm_is_cap)
+                vllm_is_weights = truncated_is_weights(old_logprobs[micro, :c], vllm_logprobs[micro, :c],
+                                                       precision.vllm_is_cap)
                 loss, stats = compute_loss(logprobs, old_logprobs[micro, :c],
                                            None if ref_logprobs is None else ref_logprobs[micro, :c],
                                            advantages[micro], vllm_is_weights, loss_mask[micro, :c], args,
@@ -239,32 +240,10 @@ def update(policy, optimizer, scheduler, args: Args, vllm_is_cap: float, autocas
 def main(args: Args) -> None:
     # ---------------------------------------------------------------- setup
     device = dist.init()  # under torchrun: the ranks' process group, before vLLM exists (see common/dist.py)
-    config = check_model(args.model)
-    task = load_task(args.task, seed=args.seed)
-    reward_fn = load_reward(args.reward, task)  # checked on a probe, before anything heavy
-    tokenizer = load_tokenizer(args.model)
-    max_prompt_len = max(len(p) for p in encode_prompts(tokenizer, [e["prompt"] for e in task.train + task.eval],
-                                                        args.chat_template, args.system_prompt))
-    check_args(args, max_context=config.max_position_embeddings, max_prompt_len=max_prompt_len)
-    need(args.tau_pos > 0 and args.tau_neg > 0, f"--tau-pos and --tau-neg must be positive, got {args.tau_pos} "
-                                                f"and {args.tau_neg}")
-    need(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
-    need(args.vllm_is_cap is None or args.vllm_is_cap == 0 or args.vllm_is_cap >= 1,
-         f"--vllm-is-cap must be 0 (off) or >= 1, got {args.vllm_is_cap}")
-    need(not (args.ref_update_every and args.lora_rank), "--ref-update-every needs full fine-tuning (--lora-rank 0): "
-         "under LoRA the reference is the base model")
-    need(args.lora_rank >= 0 and args.lora_alpha > 0, f"--lora-rank must be >= 0 and --lora-alpha > 0, got "
-         f"{args.lora_rank} and {args.lora_alpha}")
+    task, reward_fn, tokenizer, max_prompt_len = prepare(args, check)  # every check, before anything heavy
     run = Run(args)  # the run folder (new, or the resumed run's), checked before anything heavy
-    bf16 = args.precision == "bf16" or (args.precision == "auto" and device == "cuda")
-    autocast_dtype = torch.bfloat16 if bf16 else None
-    frozen_dtype = "bfloat16" if bf16 else args.dtype  # forward-only models: half the memory
-    vllm_is_cap = args.vllm_is_cap if args.vllm_is_cap is not None else (2.0 if bf16 else 0.0)
-
-    llm = create_engine(args.model, seed=args.seed + dist.rank(), max_model_len=max_prompt_len + args.max_new_tokens,
-                        dtype="bfloat16" if bf16 else "float32",
-                        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                        cpu_kv_cache_gib=args.vllm_cpu_kv_cache_gib, sleep_mode=args.vllm_sleep)
+    precision = Precision.of(args, device)  # bf16 autocast or fp32: --precision
+    llm = create_engine(args.model, **engine_options(args, max_prompt_len, precision))
     seed_everything(args.seed)  # after the engine: in-process vLLM reseeds the global RNGs
     policy = dist.shard(load_policy(args.model, tokenizer, args.dtype, device, args.gradient_checkpointing,
                                     args.lora_rank, args.lora_alpha, args.lora_target_modules,
@@ -272,137 +251,76 @@ def main(args: Args) -> None:
     # the reference is the initial model, also when resuming (unless refreshed, see ref_update_every;
     # under LoRA: the policy with its adapters off)
     ref_path = args.resume and args.ref_update_every and os.path.join(args.resume, "reference") or args.model
-    ref_model = dist.shard(load_reference(ref_path, tokenizer, frozen_dtype, device, policy)) if args.kl_coef > 0 \
-        else None
+    ref_model = dist.shard(load_reference(ref_path, tokenizer, precision.frozen_dtype, device, policy)) \
+        if args.kl_coef > 0 else None
     models = {"policy": policy, **({"reference": ref_model} if ref_model is not None and args.ref_update_every else {})}
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr,
                                   weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     prompt_sampler = torch.Generator().manual_seed(args.seed)
-    if args.resume:
-        state = run.load_checkpoint(models, optimizer)
-        scheduler.load_state_dict(state["scheduler"])
-        prompt_sampler.set_state(state["prompt_sampler"])
+    run.restore(models, optimizer, scheduler, prompt_sampler)  # a checkpoint's state on --resume
     sync_weights(llm, policy)  # vLLM loaded args.model; after --resume the policy differs
-
-    def checkpoint(step: int) -> str:
-        state = {"scheduler": scheduler.state_dict(), "prompt_sampler": prompt_sampler.get_state()}
-        return run.save_checkpoint(step, models, tokenizer, state, optimizer)
-
-    print(f"{args.exp_name}: {args.model} on {args.task} ({device}), {args.steps} steps of "
-          f"{args.prompts_per_step} prompts x {args.completions_per_prompt} completions -> {run.dir}")
-    first_eval = evaluate(llm, tokenizer, task, args.max_new_tokens, args.chat_template, args.system_prompt)
-    if run.start_step == 0:
-        run.log(0, first_eval)
-    # the template's end-of-turn token ends a completion like EOS (and stays in its loss mask)
-    sampling_params = SamplingParams(n=args.completions_per_prompt, temperature=args.temperature,
-                                     max_tokens=args.max_new_tokens, logprobs=0,
-                                     stop_token_ids=stop_token_ids(tokenizer))
+    run.start(llm, tokenizer, task)  # says what runs where, evaluates the starting policy
+    rollout_params = sampling_params(args, tokenizer)  # G completions a prompt, ending at EOS or end of turn
     G, B = args.completions_per_prompt, args.prompts_per_step // dist.world_size() * args.completions_per_prompt
-    metrics, eval_metrics = {}, first_eval
-    progress = tqdm(range(run.start_step, args.steps), initial=run.start_step, total=args.steps, desc=args.exp_name,
-                    disable=not dist.is_main())
-    with GracefulInterrupt() as interrupt:
-        for step in progress:
-            times = {}
-            t_step = time.perf_counter()
-            # ---------------------------------------------------------------- 1. rollout
-            with timed(times, "rollout"):
-                idx = torch.randint(len(task.train), (args.prompts_per_step,), generator=prompt_sampler).tolist()
-                examples = dist.share([task.train[i] for i in idx])  # this rank's prompts: B = len(examples) * G
-                prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in examples], args.chat_template,
-                                            args.system_prompt)
-                with awake(llm):  # with sleep mode (CUDA), vLLM's memory is freed again after the rollout
-                    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], sampling_params,
-                                           use_tqdm=False)
-                completions = [c for out in outputs for c in out.outputs]  # G per prompt, consecutive
+    for step in run.steps():  # a progress bar; Ctrl-C / SIGTERM: this step ends, is saved, exit
+        times = {}
+        t_step = time.perf_counter()
+        # ---------------------------------------------------------------- 1. rollout
+        with timed(times, "rollout"):
+            idx = torch.randint(len(task.train), (args.prompts_per_step,), generator=prompt_sampler).tolist()
+            examples = dist.share([task.train[i] for i in idx])  # this rank's prompts: B = len(examples) * G
+            prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in examples], args.chat_template,
+                                        args.system_prompt)
+            with awake(llm):  # with sleep mode (CUDA), vLLM's memory is freed again after the rollout
+                outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], rollout_params, use_tqdm=False)
+            completions = [c for out in outputs for c in out.outputs]  # G per prompt, consecutive
 
-            # ---------------------------------------------------------------- 2. reward
-            rewards, reward_parts = reward_fn([c.text for c in completions], [examples[i // G] for i in range(B)])
+        # ---------------------------------------------------------------- 2. reward
+        rewards, reward_parts = reward_fn([c.text for c in completions], [examples[i // G] for i in range(B)])
 
-            # ---------------------------------------------------------------- 3. old / ref log-probs
-            with timed(times, "logprobs"):
-                input_ids, attention_mask, completion_mask = make_batch(
-                    [p for p in prompt_ids for _ in range(G)], [list(c.token_ids) for c in completions],
-                    tokenizer.pad_token_id, device)
-                truncated = torch.tensor([c.finish_reason == "length" for c in completions], device=device)
-                loss_mask = completion_mask.clone()
-                if args.mask_truncated_completions:
-                    loss_mask[truncated] = 0  # no EOS: we don't know how these would have ended
-                C = completion_mask.shape[1]
-                # one optimizer step on this batch (one epoch, one minibatch): pi_old is the very policy the
-                # update differentiates, so the update's own forward gives old_logprobs (detached), exactly
-                reuse_forward = args.num_epochs == 1 and args.num_minibatches == 1
-                old_logprobs = None if reuse_forward else batched_logprobs(
-                    policy, input_ids, attention_mask, C, args.temperature, args.micro_batch_size, autocast_dtype)
-                ref_logprobs = None
-                if ref_model is not None:
-                    ref_logprobs = batched_logprobs(ref_model, input_ids, attention_mask, C, args.temperature,
-                                                    args.micro_batch_size, autocast_dtype)
-                vllm_logprobs = torch.zeros(B, C, device=device)
-                for i, c in enumerate(completions):
-                    vllm_logprobs[i, :len(c.token_ids)] = torch.tensor(
-                        [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+        # ---------------------------------------------------------------- 3. old / ref log-probs
+        with timed(times, "logprobs"):
+            input_ids, attention_mask, completion_mask, loss_mask, truncated = rollout_batch(
+                prompt_ids, completions, tokenizer.pad_token_id, device, args.mask_truncated_completions)
+            C = completion_mask.shape[1]
+            # one optimizer step on this batch (one epoch, one minibatch): pi_old is the very policy the
+            # update differentiates, so the update's own forward gives old_logprobs (detached), exactly
+            reuse_forward = args.num_epochs == 1 and args.num_minibatches == 1
+            old_logprobs = None if reuse_forward else batched_logprobs(
+                policy, input_ids, attention_mask, C, args.temperature, args.micro_batch_size,
+                precision.autocast_dtype)
+            ref_logprobs = None
+            if ref_model is not None:
+                ref_logprobs = batched_logprobs(ref_model, input_ids, attention_mask, C, args.temperature,
+                                                args.micro_batch_size, precision.autocast_dtype)
+            vllm_logprobs = sampled_logprobs(completions, C, device)  # vLLM's own, for the mismatch
 
-            # ---------------------------------------------------------------- 4. advantage
-            advantages = compute_advantages(rewards, G, args.scale_rewards).to(device)
+        # ---------------------------------------------------------------- 4. advantage
+        advantages = compute_advantages(rewards, G, args.scale_rewards).to(device)
 
-            # ---------------------------------------------------------------- 5. update
-            with timed(times, "train"):
-                step_stats, old_logprobs = update(policy, optimizer, scheduler, args, vllm_is_cap, autocast_dtype,
-                                                  input_ids, attention_mask, completion_mask, loss_mask, old_logprobs,
-                                                  ref_logprobs, vllm_logprobs, advantages)
-                if args.ref_update_every and ref_model is not None and (step + 1) % args.ref_update_every == 0:
-                    ref_model.load_state_dict(policy.state_dict())
+        # ---------------------------------------------------------------- 5. update
+        with timed(times, "train"):
+            step_stats, old_logprobs = update(policy, optimizer, scheduler, args, precision, input_ids,
+                                              attention_mask, completion_mask, loss_mask, old_logprobs,
+                                              ref_logprobs, vllm_logprobs, advantages)
+            if args.ref_update_every and ref_model is not None and (step + 1) % args.ref_update_every == 0:
+                ref_model.load_state_dict(policy.state_dict())
 
-            # ---------------------------------------------------------------- 6. sync
-            with timed(times, "sync"):
-                sync_weights(llm, policy)
+        # ---------------------------------------------------------------- 6. sync
+        with timed(times, "sync"):
+            sync_weights(llm, policy)
 
-            # ---------------------------------------------------------------- 7. log / eval / checkpoint
-            times["step"] = time.perf_counter() - t_step
-            metrics = {k: sum(v) / len(v) for k, v in step_stats.items()}
-            metrics.update({
-                "reward/mean": rewards.mean(), "reward/std": rewards.std(),
-                **{f"reward/{k}_mean": v.mean() for k, v in reward_parts.items()},
-                "response/length_mean": completion_mask.sum(1).float().mean(),
-                "response/truncated_frac": truncated.float().mean(),
-                "rollout/logprob_mismatch": masked_mean((vllm_logprobs - old_logprobs).abs(), completion_mask),
-                "rollout/is_weight_mean": masked_mean(truncated_is_weights(old_logprobs, vllm_logprobs, vllm_is_cap),
-                                                      completion_mask),
-                "rollout/is_capped_frac": masked_mean((torch.exp(old_logprobs - vllm_logprobs) > vllm_is_cap).float(),
-                                                      completion_mask) if vllm_is_cap else 0.0,
-                "optim/lr": scheduler.get_last_lr()[0],
-                **{f"time/{k}": v for k, v in times.items()},
-                "throughput/tokens_per_s": completion_mask.sum() / times["step"],
-                **memory_metrics(llm),
-            })
-            if ref_logprobs is not None:
-                log_ref_ratio = ref_logprobs - old_logprobs
-                metrics["kl/ref"] = masked_mean(torch.exp(log_ref_ratio) - log_ref_ratio - 1, completion_mask)
-            metrics = dist.mean_over_ranks(metrics)
-            if (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.steps:
-                eval_metrics = evaluate(llm, tokenizer, task, args.max_new_tokens, args.chat_template, args.system_prompt)
-                metrics.update(eval_metrics)
-            run.log(step + 1, metrics)
-            run.log_completions(step + 1, [e["prompt"] for e in examples], [c.text for c in completions], rewards,
-                                reward_parts, advantages)
-            progress.set_postfix(reward=f"{float(metrics['reward/mean']):.3f}",
-                                 eval_acc=f"{eval_metrics['eval/accuracy']:.3f}",
-                                 kl=f"{float(metrics.get('kl/ref', 0.0)):.4f}")
-            stop = interrupt.stop()  # under torchrun every rank stops after the same step
-            if (args.save_every and (step + 1) % args.save_every == 0) or stop:
-                path = checkpoint(step + 1)
-                if stop:
-                    print(f"saved checkpoint {path}; continue with --resume {path}")
-                    run.close()
-                    sys.exit(interrupt.exit_code)  # 130 (Ctrl-C), 143 (SIGTERM): not a finished run
+        # ---------------------------------------------------------------- 7. log / eval / checkpoint
+        times["step"] = time.perf_counter() - t_step
+        metrics = step_metrics(step_stats, rewards, reward_parts, completion_mask, truncated, old_logprobs,
+                               vllm_logprobs, ref_logprobs, precision.vllm_is_cap, scheduler, times, llm)
+        run.log_completions(step + 1, [e["prompt"] for e in examples], [c.text for c in completions], rewards,
+                            reward_parts, advantages)
+        run.end_step(step + 1, metrics)  # eval, log, checkpoint when due
 
-    run.finish(policy, tokenizer, eval_metrics)
+    run.finish(policy, tokenizer, run.eval_metrics)
 
 
 if __name__ == "__main__":
-    try:
-        main(parse_args(Args))
-    except RunError as e:
-        sys.exit(f"error: {e}")
+    cli(main, Args)

@@ -5,7 +5,7 @@ sampled rollouts (32 prompts x 8 completions, 12 tokens, log-probs on, as the sc
 
 With log-probs asked for, vLLM ranks each sampled token with a torch.compile'd helper, and the
 first sampled call compiled it (inductor): 2.7 s against 0.6 s for the later calls. On CPU
-create_engine now ranks eagerly (common/models.py `_eager_token_ranks`), and the first
+create_engine now ranks eagerly (common/engine.py `_eager_token_ranks`), and the first
 sampled call costs what the later ones do (benchmarks/README.md, step time).
 """
 
@@ -21,7 +21,8 @@ sys.path.insert(0, str(ROOT))
 
 from vllm import SamplingParams  # noqa: E402
 
-from common.models import create_engine, encode_prompts, load_tokenizer  # noqa: E402
+from common.engine import create_engine  # noqa: E402
+from common.models import encode_prompts, load_tokenizer  # noqa: E402
 
 
 def main() -> None:

@@ -53,7 +53,8 @@ import transformers  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 # common.ops needs only torch; the scripts themselves are not imported (they import vLLM)
-from common.ops import aggregate, batched_logprobs, forward_logprobs, make_batch, masked_mean  # noqa: E402
+from common.batch import make_batch  # noqa: E402
+from common.ops import aggregate, batched_logprobs, forward_logprobs, masked_mean  # noqa: E402
 
 try:
     import peft

@@ -194,7 +194,8 @@ def measure(policy, tokenizer, params, tasks: dict, examples: dict, args) -> dic
     """Gradients of every estimator on --batches batches for tasks that share their prompts:
     each batch's completions are sampled and scored by the policy once, and every task's
     reward is computed on those same completions. Returns {task: results}."""
-    from common.ops import forward_logprobs, make_batch
+    from common.batch import make_batch
+    from common.ops import forward_logprobs
     from common.models import encode_prompts
 
     names = list(tasks)

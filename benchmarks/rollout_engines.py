@@ -1,7 +1,7 @@
 """Rollout engines, a part of benchmarks/run.py: vLLM against plain transformers `generate`,
 on the same model, prompts, sampling settings and number of completions.
 
-vLLM is created by common.models.create_engine exactly as the training scripts create it (on
+vLLM is created by common.engine.create_engine exactly as the training scripts create it (on
 CPU with its packed weights plus the plain ones that weight sync writes into). transformers is
 the trainer's own policy (common.models.load_policy) with a KV cache, left-padded prompts,
 temperature T, no top-k / top-p, stopping at EOS. After one warm-up call each, every size is timed --repeats times;
@@ -79,7 +79,8 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     env = environment(None if argv is None else [__file__, *argv])
     t_main = time.perf_counter()
-    from common.models import check_model, create_engine, encode_prompts, load_policy, load_tokenizer
+    from common.engine import create_engine
+    from common.models import check_model, encode_prompts, load_policy, load_tokenizer
     from common.tasks import load_task
 
     check_model(args.model)

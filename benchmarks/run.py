@@ -1,7 +1,8 @@
 """All benchmarks in one command, on the bundled tiny model and the default task `sort`:
 
-1. the algorithm scripts (every one that common/scripts.py finds) side by side, with the same budget and seeds, each a plain
-   `python <script>.py ...` subprocess: held-out accuracy, speed, memory, where a step's time goes;
+1. the algorithm scripts (every one common/scripts.py finds) side by side, with the same budget
+   and seeds, each a plain `python <script>.py ...` subprocess: held-out accuracy, speed,
+   memory, where a step's time goes;
 2. the policy-gradient lecture's claim (a baseline keeps the expected gradient and lowers its
    variance): REINFORCE without / with the batch-mean baseline, RLOO and GRPO learning on `sort`
    (0/1 reward) and `sort-partial` (partial credit), and their gradient variance on fixed batches
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-from common.scripts import algorithm_scripts, label  # noqa: E402
+from common import scripts  # noqa: E402
 from benchmarks.util import (ROOT, environment, fmt, fmt_mean_std, markdown_table,  # noqa: E402
                              provenance_md, write_json)
 
@@ -51,7 +52,7 @@ class Config:
 
 
 # every algorithm script, found (not listed), each with its own default hyperparameters
-ALGORITHMS = [Config(script.removesuffix(".py"), label(script), script) for script in algorithm_scripts()]
+ALGORITHMS = [Config(s.removesuffix(".py"), scripts.label(s), s) for s in scripts.algorithm_scripts()]
 BY_NAME = {c.name: c for c in ALGORITHMS}
 NO_BASELINE = Config("reinforce-no-baseline", "REINFORCE, no baseline", "reinforce.py", ("--baseline", "none"))
 # The lecture's four estimators, each with the gradient_variance.py estimator of the same advantage.

@@ -182,3 +182,39 @@ def load_reward(specs: tuple[str, ...], task) -> Reward:
         except RunError as e:
             raise ConfigError(f"{e} (a probe call with the first train example, before training)") from None
     return Reward(terms)
+
+
+# ---------------------------------------------------------------------------------------
+# a reward model (--reward-model of ppo.py): a learned score instead of a verifier
+# ---------------------------------------------------------------------------------------
+
+def load_reward_model(name_or_path: str, dtype: str, device: str):
+    """(model, tokenizer) of a sequence-classification reward model with one label, frozen. Its
+    tokenizer pads on the right (scores are read at the last real token), with EOS if it has no pad."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from common.models import freeze, load_pretrained, resolve_model
+
+    model = freeze(load_pretrained(AutoModelForSequenceClassification, name_or_path, dtype, num_labels=1)[0].to(device))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(name_or_path))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+@torch.no_grad()
+def reward_model_scores(reward_model, rm_tokenizer, texts: list[str], device: str, micro_batch_size: int):
+    """The reward model's score of each text (prompt + completion as generated, end-of-turn
+    token included: what a reward model is trained to read), at its last real token, a
+    micro-batch at a time. A text that starts with BOS (a decoded prompt) gets no second one."""
+    bos = rm_tokenizer.bos_token
+    if bos is not None and rm_tokenizer("")["input_ids"][:1] == [rm_tokenizer.bos_token_id]:
+        texts = [t.removeprefix(bos) for t in texts]
+    scores = []
+    for i in range(0, len(texts), micro_batch_size):
+        batch = rm_tokenizer(texts[i:i + micro_batch_size], return_tensors="pt", padding=True,
+                             padding_side="right").to(device)
+        hidden = reward_model.base_model(**batch, use_cache=False).last_hidden_state
+        last = batch["attention_mask"].sum(1) - 1
+        scores.append(reward_model.score(hidden[torch.arange(len(last), device=device), last]).squeeze(-1).float())
+    return torch.cat(scores)

@@ -38,10 +38,8 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from common import dist
 from common.errors import ConfigError
 from common.hub import hub_reachable
-from common.models import awake, encode_prompts, stop_token_ids
 from common.rewards import load_function
 
 
@@ -469,29 +467,3 @@ def user_task(spec: str, seed: int) -> Task:
     if not callable(task.reward_fn):
         raise ConfigError(f"--task {spec!r}: Task.reward_fn must be a function (completion, example) -> float")
     return task
-
-
-# ---------------------------------------------------------------------------------------
-# evaluation: greedy decoding on the held-out split
-# ---------------------------------------------------------------------------------------
-
-def evaluate(llm, tokenizer, task, max_new_tokens: int, chat_template: bool = True,
-             system_prompt: str | None = None) -> dict:
-    """Greedy accuracy (reward >= 1) and mean reward on the task's eval split, through vLLM.
-
-    Prompts are encoded and completions stopped as in training: pass the same
-    chat_template / system_prompt as to encode_prompts (stop tokens: stop_token_ids).
-    Under torchrun rank 0 evaluates (the numbers of one process) and every rank gets them."""
-    return dist.on_main(_evaluate, llm, tokenizer, task, max_new_tokens, chat_template, system_prompt)
-
-
-def _evaluate(llm, tokenizer, task, max_new_tokens: int, chat_template: bool, system_prompt: str | None) -> dict:
-    from vllm import SamplingParams  # imported here: the tasks themselves need no vLLM
-
-    prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in task.eval], chat_template, system_prompt)
-    greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
-    with awake(llm):
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy, use_tqdm=False)
-    rewards = [task.reward(o.outputs[0].text, e) for o, e in zip(outputs, task.eval)]
-    return {"eval/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
-            "eval/reward_mean": sum(rewards) / len(rewards)}

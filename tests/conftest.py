@@ -72,7 +72,7 @@ def logprob_tolerance(args) -> float:
 @pytest.fixture(scope="session")
 def llm():
     """One in-process vLLM engine for the whole session (an engine takes seconds to start)."""
-    from common.models import create_engine
+    from common.engine import create_engine
 
     return keep_engine(create_engine(TINY_MODEL, seed=0, max_model_len=64, gpu_memory_utilization=GPU_SHARE,
                                      sleep_mode=False))
@@ -86,8 +86,8 @@ def run_main(llm, monkeypatch):
     another model. main() syncs its policy into the engine first, as into a fresh one."""
     import importlib
 
-    from common.models import create_engine
-    from common.utils import parse_args
+    from common.engine import create_engine
+    from common.args import parse_args
 
     monkeypatch.chdir(ROOT)  # the scripts' default model is a relative path
 

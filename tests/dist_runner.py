@@ -16,8 +16,8 @@ sys.path.insert(0, str(ROOT))
 
 from common import dist  # noqa: E402
 from common.errors import RunError  # noqa: E402
-from common.models import create_engine  # noqa: E402
-from common.utils import parse_args  # noqa: E402
+from common.engine import create_engine  # noqa: E402
+from common.args import parse_args  # noqa: E402
 
 MAX_MODEL_LEN = 64
 

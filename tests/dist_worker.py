@@ -22,10 +22,12 @@ import ppo  # noqa: E402
 import reinforce  # noqa: E402
 from common import dist  # noqa: E402
 from common.models import load_policy, load_tokenizer  # noqa: E402
-from common.ops import make_batch  # noqa: E402
+from common.batch import make_batch  # noqa: E402
+from common.setup import Precision  # noqa: E402
 
 TINY_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "tiny-sort")
 G, NUM_PROMPTS, MICRO = 4, 2, 3  # micro-batches of 3 rows: one process and each rank cut the batch differently
+FP32 = Precision(None, "float32", "float32", vllm_is_cap=0.0)  # vLLM's log-probs are pi_old's here: no weights
 
 
 def rollout_batch(vocab: int):
@@ -62,21 +64,21 @@ def update(policy, critic, optimizer, case: str, input_ids, attention_mask, comp
     if case.startswith("grpo"):
         args = grpo.Args(loss_agg=case.split(":")[1], kl_coef=0.04, num_minibatches=1, micro_batch_size=MICRO)
         advantages = grpo.compute_advantages(rewards, G, args.scale_rewards)
-        stats, _ = grpo.update(policy, optimizer, scheduler, args, 0.0, None, **batch, ref_logprobs=ref_logprobs,
+        stats, _ = grpo.update(policy, optimizer, scheduler, args, FP32, **batch, ref_logprobs=ref_logprobs,
                                advantages=advantages)
     elif case == "reinforce":
         args = reinforce.Args(baseline="batch-mean", kl_coef=0.0, micro_batch_size=MICRO)
         returns = reinforce.compute_returns(rewards, torch.zeros_like(old_logprobs), loss_mask, args.kl_coef)
         baseline, _ = reinforce.update_baseline(None, returns, args)
         advantages = reinforce.compute_advantages(returns, loss_mask, baseline)
-        stats, _ = reinforce.update(policy, optimizer, scheduler, args, 0.0, None, **batch, advantages=advantages)
+        stats, _ = reinforce.update(policy, optimizer, scheduler, args, FP32, **batch, advantages=advantages)
     else:
         args = ppo.Args(whiten_advantages=True, num_minibatches=1, micro_batch_size=MICRO)
         values = torch.zeros_like(old_logprobs)
         token_rewards = ppo.compute_token_rewards(rewards, old_logprobs - ref_logprobs, loss_mask, args.kl_coef)
         advantages, returns = ppo.compute_advantages(token_rewards, values, loss_mask, args.gamma, args.lam)
         advantages = ppo.whiten(advantages, loss_mask)
-        stats, _ = ppo.update(policy, critic, optimizer, scheduler, args, 0.0, None, **batch, advantages=advantages,
+        stats, _ = ppo.update(policy, critic, optimizer, scheduler, args, FP32, **batch, advantages=advantages,
                               old_values=values, returns=returns)
     return stats["optim/grad_norm"][0]
 

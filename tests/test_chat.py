@@ -8,10 +8,10 @@ import pytest
 from vllm import SamplingParams
 
 from common.errors import ConfigError
-from common.ops import make_batch
+from common.batch import make_batch
 from common.scripts import algorithm_scripts
 from common.models import encode_prompts, end_of_turn_token_ids, stop_token_ids
-from common.tasks import evaluate
+from common.engine import evaluate
 from tests.conftest import TINY_MODEL
 
 # ChatML, as SmolLM2 and Qwen use it (the tiny vocabulary spells <|im_start|> in characters)
@@ -104,7 +104,8 @@ def eot_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def eot_engine(eot_model):
-    from common.models import create_engine, load_tokenizer
+    from common.engine import create_engine
+    from common.models import load_tokenizer
     from tests.conftest import GPU_SHARE, keep_engine
 
     return keep_engine(create_engine(eot_model, seed=0, max_model_len=64, enforce_eager=True,

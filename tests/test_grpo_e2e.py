@@ -96,7 +96,7 @@ def test_bad_input_gives_one_line_error(flags, message, monkeypatch):
     """Each is found before the engine starts (create_engine would fail the test)."""
     import grpo
     from common.errors import ConfigError
-    from common.utils import parse_args
+    from common.args import parse_args
 
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(grpo, "create_engine", lambda *a, **k: pytest.fail("the engine started"))

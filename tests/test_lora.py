@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from common.models import AdaptersOff, load_policy, load_reference, merged_weights, sync_weights
+from common.engine import sync_weights
+from common.models import AdaptersOff, load_policy, load_reference, merged_weights
 from tests.conftest import TINY_MODEL, read_optimizer_state
 from tests.test_grpo_e2e import SMALL, read_metrics
 from tests.test_sync import trainer_logprobs, vllm_prompt_logprobs

@@ -12,6 +12,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import ppo
 from common.scripts import algorithm_scripts, load_script, update_inputs
+from common.setup import Precision
 from tests.conftest import TINY_MODEL
 
 LOGPROBS = [[-1.0, -2.0, -0.5], [-0.3, -1.2, -2.2]]
@@ -71,7 +72,8 @@ def test_dropout_is_off_whatever_the_config_says(tmp_path, tokenizer):
     """A GPT-2 with every dropout at 0.5 (embeddings, attention, residuals): two passes of the
     loaded policy in train mode, and of ppo's critic, give identical outputs."""
     from common.models import load_policy
-    from common.ops import forward_logprobs, make_batch
+    from common.batch import make_batch
+    from common.ops import forward_logprobs
 
     config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=2,
                         resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5, summary_first_dropout=0.5)
@@ -132,7 +134,7 @@ class GradientRecorder:
 
 def rollout_batch(tokenizer_len: int = 20):
     """Six completions (3 prompts x 2) of different lengths, as make_batch lays them out."""
-    from common.ops import make_batch
+    from common.batch import make_batch
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, tokenizer_len, (n,), generator=g).tolist() for n in (3, 5, 4, 6, 2, 5)]
@@ -149,7 +151,7 @@ def run_update(script, policy, critic, batch: dict, micro_batch_size: int, **fla
                        **flags)
     optimizer = GradientRecorder(policy.parameters())
     available = {"policy": policy, "optimizer": optimizer, "scheduler": types.SimpleNamespace(step=lambda: None),
-                 "args": args, "vllm_is_cap": 2.0, "autocast_dtype": None, **batch}
+                 "args": args, "precision": Precision(None, "float32", "float32", vllm_is_cap=2.0), **batch}
     if critic is not None:
         available["critic"] = critic
     torch.manual_seed(0)  # the minibatch permutation
@@ -184,6 +186,7 @@ def test_the_scripts_update_gives_one_gradient_whatever_the_micro_batches(script
     assert micro_losses == pytest.approx(losses, rel=1e-5, abs=1e-7)
     assert (micro_grads[0] - grads[0]).norm() < 1e-5 * grads[0].norm()
     if "old_values" not in batch:  # PPO's old log-probs come from their own pass (the critic's values too)
-        reused_losses, reused_grads = run_update(script, tiny_policy, critic, {**batch, "old_logprobs": None}, 2, **one_step)
+        reused = {**batch, "old_logprobs": None}
+        reused_losses, reused_grads = run_update(script, tiny_policy, critic, reused, 2, **one_step)
         assert reused_losses == pytest.approx(losses, rel=1e-5, abs=1e-7)
         assert (reused_grads[0] - grads[0]).norm() < 1e-5 * grads[0].norm()

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from common.ops import aggregate, batched_logprobs, forward_logprobs, make_batch
+from common.batch import make_batch
+from common.ops import aggregate, batched_logprobs, forward_logprobs
 
 
 def reference_logprobs(model, ids: list[int], num_completion: int, temperature: float) -> torch.Tensor:
@@ -83,7 +84,7 @@ def test_packed_row_gives_the_padded_batch_log_probs_and_gradient(tokenizer, mon
     completion see only its prompt and itself) gives the log-probs and gradient of the padded
     batch: two groups with prompts and completions of different lengths and an empty
     completion, under sdpa's boolean mask and eager attention's additive one."""
-    import common.ops
+    import common.batch
     from transformers import AutoModelForCausalLM
 
     from tests.conftest import TINY_MODEL
@@ -98,7 +99,7 @@ def test_packed_row_gives_the_padded_batch_log_probs_and_gradient(tokenizer, mon
     hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: batch_sizes.append(i[0].shape))
     results = []
     for packed in (True, False):
-        monkeypatch.setattr(common.ops, "pays_to_pack", lambda *args: packed)
+        monkeypatch.setattr(common.batch, "pays_to_pack", lambda *args: packed)
         logprobs = forward_logprobs(model, input_ids, attention_mask, C, 0.7)
         grad = torch.autograd.grad((logprobs * weights).sum(), [p for p in model.parameters()])
         results.append((logprobs, grad))
@@ -117,7 +118,7 @@ def test_packing_pays_for_short_rows_not_for_long_ones():
     """FLOPs per layer, ~ tokens x (1 + span / 6d): SmolLM2 (d = 576) with 2 groups of 4
     completions, 440 packed tokens against 8 padded rows of 95, packs (496 < 781); 16 rows of
     1,200 tokens of a d = 1536 model (17,000 packed) stay padded (48,360 > 21,700)."""
-    from common.ops import pays_to_pack
+    from common.batch import pays_to_pack
 
     assert pays_to_pack(440, 8 * 95, 95, 576)
     assert not pays_to_pack(17_000, 16 * 1200, 1200, 1536)
@@ -139,7 +140,7 @@ def test_completions_of_one_prompt_share_its_forward(tiny_policy, tokenizer):
     different lengths): micro_batches keeps each group in one micro-batch, which runs packed
     (the prompt once, no padding), and the log-probs and their gradient are those of every
     row on its own."""
-    from common.ops import micro_batches
+    from common.batch import micro_batches
 
     prompts = [tokenizer("sort 52813:")["input_ids"]] * 3 + [tokenizer("sort 91:")["input_ids"]] * 3
     completions = [tokenizer(s)["input_ids"] for s in ["12358", "1", "853", "19", "91", "1999"]]
@@ -230,7 +231,7 @@ def test_cut_micro_batches_of_similar_length_give_the_full_batch_gradient(tiny_p
     """micro_batches sorts rows by length and cuts each micro-batch to its own longest prompt and
     completion: every real token is kept, padding is skipped, and the accumulated gradient is
     that of one pass over the whole padded batch."""
-    from common.ops import micro_batches
+    from common.batch import micro_batches
 
     digits = ["1", "98765432", "44", "123", "5550", "9", "31415926", "27"]
     prompts = [tokenizer(f"sort {d}:")["input_ids"] for d in digits]

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
 
 import ppo
+from common.rewards import reward_model_scores
 from tests.conftest import TINY_MODEL, read_optimizer_state
 from tests.test_grpo_e2e import SMALL, STEP_METRICS, read_metrics
 
@@ -114,7 +115,7 @@ def make_reward_model(path, tokenizer):
 def test_reward_model_score_reaches_the_last_completion_token(tmp_path, tokenizer):
     rm = make_reward_model(tmp_path / "rm", tokenizer).eval()
     texts = ["sort 321:123", "sort 54:45", "sort 98765:56789<|im_end|>"]
-    scores = ppo.reward_model_scores(rm, tokenizer, texts, "cpu", micro_batch_size=2)  # 2 micro-batches
+    scores = reward_model_scores(rm, tokenizer, texts, "cpu", micro_batch_size=2)  # 2 micro-batches
     # each text alone through the model's own pooled head (no padding anywhere)
     with torch.no_grad():
         alone = torch.stack([rm(**tokenizer(t, return_tensors="pt")).logits[0, 0] for t in texts])
@@ -136,7 +137,7 @@ def test_reward_model_reads_one_bos_only(tmp_path):
     rm_tokenizer = AutoTokenizer.from_pretrained(model_copy(tmp_path / "bos", None, bos_post_processor=True))
     assert rm_tokenizer("x")["input_ids"][0] == rm_tokenizer.bos_token_id
     rm = make_reward_model(tmp_path / "rm", rm_tokenizer).eval()
-    score = ppo.reward_model_scores(rm, rm_tokenizer, [rm_tokenizer.bos_token + "sort 321:123"], "cpu", 4)
+    score = reward_model_scores(rm, rm_tokenizer, [rm_tokenizer.bos_token + "sort 321:123"], "cpu", 4)
     with torch.no_grad():
         one_bos = rm(**rm_tokenizer("sort 321:123", return_tensors="pt")).logits[0, 0]
         two_bos = rm(**rm_tokenizer(rm_tokenizer.bos_token + "sort 321:123", return_tensors="pt")).logits[0, 0]
@@ -204,7 +205,7 @@ def test_ppo_with_reward_model_and_resume(tmp_path, tokenizer, run_main):
 ])
 def test_bad_input(flags, message):
     from common.errors import ConfigError
-    from common.utils import parse_args
+    from common.args import parse_args
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         ppo.main(parse_args(ppo.Args, flags))

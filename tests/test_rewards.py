@@ -9,7 +9,7 @@ import pytest
 from common.errors import ConfigError, RunError
 from common.rewards import format_reward, load_reward, parse_reward_spec
 from common.tasks import load_task
-from common.utils import parse_args
+from common.args import parse_args
 from tests.test_grpo_e2e import read_metrics
 from tests.test_runs import fake_checkpoint
 
@@ -172,7 +172,7 @@ def test_completions_go_to_a_wandb_table_with_track(tmp_path, monkeypatch):
 
     import torch
 
-    from common.utils import Run
+    from common.run import Run
 
     logged = []
     fake = types.SimpleNamespace(Table=lambda columns, data: ("table", columns, data),

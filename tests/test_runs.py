@@ -17,7 +17,8 @@ import torch
 
 from common.errors import ConfigError, RunError
 from common.scripts import algorithm_scripts, load_script
-from common.utils import RESUMABLE_CHANGES, Run, parse_args
+from common.args import parse_args, RESUMABLE_CHANGES
+from common.run import Run
 from tests.conftest import ROOT, TINY_MODEL
 from tests.test_grpo_e2e import SMALL, read_metrics
 
@@ -257,7 +258,7 @@ def test_resume_continues_the_run_and_carries_its_start(tmp_path, run_main, caps
 
 def test_sigint_in_process_saves_and_exits_130(tmp_path, run_main, monkeypatch, capsys):
     """The first Ctrl-C finishes the step, saves, and exits 130 (not 0: the run did not finish)."""
-    from common.models import sync_weights
+    from common.engine import sync_weights
 
     syncs = []
 

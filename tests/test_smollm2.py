@@ -11,8 +11,9 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from common import models, smollm2
-from common.ops import forward_logprobs, make_batch
+from common import engine, models, smollm2
+from common.batch import make_batch
+from common.ops import forward_logprobs
 from common.models import encode_prompts, stop_token_ids
 from common.errors import ConfigError
 from tests.conftest import GPU_SHARE, TINY_MODEL, keep_engine, logprob_tolerance
@@ -38,7 +39,7 @@ def converted(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smollm2_engine(converted):
-    return keep_engine(models.create_engine(NAME, seed=0, max_model_len=256, enforce_eager=True,
+    return keep_engine(engine.create_engine(NAME, seed=0, max_model_len=256, enforce_eager=True,
                                             gpu_memory_utilization=GPU_SHARE, sleep_mode=False))  # compiled: +50 s
 
 
@@ -90,7 +91,7 @@ def test_smollm2_converted_trained_and_synced_through_vllm(converted, smollm2_en
         for p in policy.parameters():
             p.add_(0.01 * torch.randn_like(p))
     assert (vllm_prompt_logprobs(llm, seq) - trainer_logprobs(policy, seq)).abs().max() > 0.1
-    models.sync_weights(llm, policy)
+    engine.sync_weights(llm, policy)
     after_sync = (vllm_prompt_logprobs(llm, seq) - trainer_logprobs(policy, seq)).abs().max()
     assert after_sync < 2e-4, after_sync
 

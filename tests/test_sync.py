@@ -4,8 +4,9 @@ the trainer does; without one it keeps the old weights."""
 import torch
 from vllm import SamplingParams
 
-from common.models import engine_model, sync_weights
-from common.ops import forward_logprobs, make_batch
+from common.engine import engine_model, sync_weights
+from common.batch import make_batch
+from common.ops import forward_logprobs
 
 
 def vllm_prompt_logprobs(llm, ids: list[int]) -> torch.Tensor:

@@ -1,8 +1,7 @@
-"""Plumbing shared by all the scripts and belonging to no algorithm: the run's arguments
-(checked, and restored on --resume), its folder (metrics, checkpoints, final model,
-summary), seeding, and stopping cleanly on Ctrl-C or SIGTERM. Under torchrun rank 0 writes
-the folder; checkpoints hold the optimizer state sharded (torch.distributed.checkpoint),
-written by every rank, in the same layout for one process and for N."""
+"""The run folder, belonging to no algorithm: args.json, metrics.jsonl, completions.jsonl,
+checkpoints (the optimizer state sharded with torch.distributed.checkpoint, written by every
+rank, in the same layout for one process and for N), final/ and summary.json, written by
+rank 0 under torchrun; and the seeding and RNG state a checkpoint carries."""
 
 from __future__ import annotations
 
@@ -10,201 +9,26 @@ import contextlib
 import dataclasses
 import errno
 import json
-import math
 import os
 import random
 import re
-import resource
 import shutil
-import signal
 import sys
 import time
-import typing
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from common import dist
+from common.args import check_resume, find_checkpoint, forks, read_run_info, run_folder_of, script_name
 from common.curves import write_curves
+from common.engine import evaluate
+from common.interrupt import GracefulInterrupt
 from common.errors import ConfigError, RunError, need
 from common.models import is_lora, merged_state_dict, save_model
 
-# ---------------------------------------------------------------------------------------
-# arguments
-# ---------------------------------------------------------------------------------------
-
-# Flags a resumed run may change (each change is printed). Every other flag defines the run
-# (model, task, seed, batch shape, optimizer, algorithm) and is restored from the checkpoint;
-# giving it again with another value is refused.
-RESUMABLE_CHANGES = ("steps", "eval_every", "save_every", "micro_batch_size", "gradient_checkpointing",
-                     "vllm_gpu_memory_utilization", "vllm_cpu_kv_cache_gib", "vllm_sleep", "tensorboard", "track",
-                     "wandb_project", "log_completions")
-
-
-def parse_args(Args, argv: list[str] | None = None):
-    """tyro.cli(Args). With --resume, the run's saved arguments become the defaults: the run
-    continues as it was started, whatever the command line leaves out. Flags given again
-    with a new value are applied if they are in RESUMABLE_CHANGES, else refused."""
-    import tyro
-
-    args = tyro.cli(Args, args=argv)
-    if args.resume is None:
-        return args
-    checkpoint = find_checkpoint(args.resume)
-    saved = saved_args(Args, checkpoint)
-    # a repeatable flag (--reward) given again replaces its saved value instead of adding to it
-    given = [a.split("=", 1)[0] for a in (argv if argv is not None else sys.argv[1:])]  # --reward=X too
-    saved = dataclasses.replace(saved, **{name: () for name in appended_fields(Args)
-                                          if f"--{name.replace('_', '-')}" in given})
-    args = tyro.cli(Args, args=argv, default=saved)
-    args.resume = checkpoint  # --resume RUN_FOLDER means its latest checkpoint
-    check_resume(args)
-    for name in RESUMABLE_CHANGES:
-        if hasattr(args, name) and getattr(args, name) != getattr(saved, name) and dist.is_main():
-            print(f"resume: --{name.replace('_', '-')} {getattr(saved, name)} -> {getattr(args, name)}")
-    return args
-
-
-def appended_fields(Args) -> list[str]:
-    """The fields given once per value (tyro.conf.UseAppendAction: --reward A --reward B)."""
-    import tyro
-
-    hints = typing.get_type_hints(Args, include_extras=True)
-    return [name for name, hint in hints.items() if tyro.conf.UseAppendAction in getattr(hint, "__metadata__", ())]
-
-
-def check_args(args, max_context: int, max_prompt_len: int, min_completions: int = 2) -> None:
-    """One clear line for each bad value of the fields every script shares."""
-    need(args.steps > 0, f"--steps must be positive, got {args.steps}")
-    need(args.seed >= 0, f"--seed must be >= 0, got {args.seed}")
-    need(args.lr > 0 and math.isfinite(args.lr), f"--lr must be positive, got {args.lr}")
-    need(args.prompts_per_step > 0, f"--prompts-per-step must be positive, got {args.prompts_per_step}")
-    need(args.completions_per_prompt >= min_completions,
-         f"--completions-per-prompt must be >= {min_completions} (a group baseline compares the "
-         f"completions of one prompt), got {args.completions_per_prompt}")
-    need(args.max_new_tokens > 0, f"--max-new-tokens must be positive, got {args.max_new_tokens}")
-    need(max_prompt_len + args.max_new_tokens <= max_context,
-         f"--max-new-tokens {args.max_new_tokens} plus the longest prompt ({max_prompt_len} tokens) "
-         f"exceeds the model's context of {max_context} tokens")
-    need(args.temperature > 0, f"--temperature must be positive, got {args.temperature}")
-    need(args.micro_batch_size > 0, f"--micro-batch-size must be positive, got {args.micro_batch_size}")
-    need(args.max_grad_norm > 0, f"--max-grad-norm must be positive, got {args.max_grad_norm}")
-    need(args.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {args.warmup_steps}")
-    need(args.eval_every >= 0, f"--eval-every must be >= 0 (0: only at start and end), got {args.eval_every}")
-    need(args.save_every >= 0, f"--save-every must be >= 0 (0: only on Ctrl-C), got {args.save_every}")
-    need(args.log_completions >= 0, f"--log-completions must be >= 0, got {args.log_completions}")
-    need(args.vllm_cpu_kv_cache_gib >= 1, f"--vllm-cpu-kv-cache-gib must be >= 1, got {args.vllm_cpu_kv_cache_gib}")
-    need(0 < args.vllm_gpu_memory_utilization <= 1,
-         f"--vllm-gpu-memory-utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
-    if args.dtype == "bfloat16" and args.lr < 1e-4:
-        print(f"warning: --dtype bfloat16 keeps ~3 significant digits per weight, so AdamW steps of about "
-              f"--lr {args.lr} are mostly rounded away; --dtype float32 (the default) keeps fp32 master "
-              f"weights", file=sys.stderr)
-    world = dist.world_size()
-    need(args.prompts_per_step % world == 0, f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
-                                             f"number of processes ({world}): each takes an equal share of the prompts")
-    if hasattr(args, "num_minibatches"):  # scripts that reuse a rollout batch for several updates
-        batch = args.prompts_per_step * args.completions_per_prompt // world
-        need(args.num_minibatches > 0 and batch % args.num_minibatches == 0,
-             f"--num-minibatches {args.num_minibatches} must divide the rollout batch "
-             f"(prompts_per_step x completions_per_prompt = {batch}" + (f", per process of {world})" if world > 1
-                                                                         else ")"))
-        need(args.num_epochs > 0, f"--num-epochs must be positive, got {args.num_epochs}")
-
-
-# ---------------------------------------------------------------------------------------
-# resuming: which checkpoint, made by what
-# ---------------------------------------------------------------------------------------
-
-def script_name(Args) -> str:
-    """The file that defines this Args class (grpo.py, ...): what made a checkpoint."""
-    return os.path.basename(sys.modules[Args.__module__].__file__)
-
-
-def check_script(info: dict, script: str, checkpoint: str) -> None:
-    need(info["script"] == script,
-         f"--resume {checkpoint!r}: this checkpoint was made by {info['script']} (model {info['args']['model']!r}), "
-         f"not {script}; resume it with: python {info['script']} --resume {checkpoint}")
-
-
-def find_checkpoint(path: str) -> str:
-    """--resume's folder: a checkpoint (runs/X/checkpoints/step_N), or a run folder (its
-    latest checkpoint). Anything else is one line."""
-    path = os.path.expanduser(path.rstrip("/"))
-    if path.endswith(".tmp"):
-        raise ConfigError(f"--resume {path!r} is a half-written checkpoint (its save did not finish); "
-                          f"resume from a complete one: {latest_checkpoint(os.path.dirname(os.path.dirname(path)))}")
-    need(os.path.isdir(path), f"--resume {path!r}: no such folder")
-    if os.path.isdir(os.path.join(path, "checkpoints")):
-        latest = latest_checkpoint(path)
-        need(latest is not None, f"--resume {path!r}: this run folder has no checkpoint to resume from")
-        return latest
-    need(os.path.isfile(os.path.join(path, "trainer_state.pt")),
-         f"--resume {path!r} is not a checkpoint folder (no trainer_state.pt)")
-    need(os.path.isfile(os.path.join(path, "run.json")),
-         f"--resume {path!r} was written by an older version of these scripts (no run.json): "
-         f"its arguments are unknown, start a new run from its weights with --model {path}/policy")
-    need(os.path.isdir(os.path.join(path, "optimizer")),
-         f"--resume {path!r} was written by an older version of these scripts (no optimizer/ folder): "
-         f"start a new run from its weights with --model {path}/policy")
-    return path
-
-
-def latest_checkpoint(run_dir: str) -> str | None:
-    ckpts = sorted(Path(run_dir, "checkpoints").glob("step_*[0-9]"), key=lambda p: int(p.name[5:]))
-    return str(ckpts[-1]) if ckpts else None
-
-
-def read_run_info(checkpoint: str) -> dict:
-    with open(os.path.join(checkpoint, "run.json")) as f:
-        info = json.load(f)
-    info["args"] = {k: tuple(v) if isinstance(v, list) else v for k, v in info["args"].items()}  # JSON has no tuples
-    return info
-
-
-def saved_args(Args, checkpoint: str):
-    """The arguments a checkpoint's run was made with, as an Args, after checking that it
-    was made by this script; resuming continues in the checkpoint's run folder."""
-    info, script = read_run_info(checkpoint), script_name(Args)
-    check_script(info, script, checkpoint)
-    fields = {f.name for f in dataclasses.fields(Args)}
-    unknown = sorted(set(info["args"]) - fields)
-    need(not unknown, f"--resume {checkpoint!r}: the checkpoint has arguments this {script} does not know "
-                      f"({', '.join(unknown)}): it was made by another version of the script")
-    saved = Args(**info["args"])
-    saved.resume = checkpoint
-    saved.output_dir = run_folder_of(checkpoint)
-    return saved
-
-
-def run_folder_of(checkpoint: str) -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))
-
-
-def forks(args) -> bool:
-    """Whether a resume continues in another folder than its checkpoint's (a fork of the run)."""
-    return args.output_dir is not None and os.path.abspath(args.output_dir) != run_folder_of(args.resume)
-
-
-def check_resume(args) -> None:
-    """Refuse a resume whose arguments define another run than the checkpoint's."""
-    info = read_run_info(args.resume)
-    check_script(info, script_name(type(args)), args.resume)
-    need(not args.overwrite or forks(args), "--overwrite and --resume contradict each other: a resumed run "
-                                            "continues in its own folder (or give a new --output-dir)")
-    saved = info["args"]
-    refused = [f"--{k.replace('_', '-')} {saved[k]!r} (you asked for {getattr(args, k)!r})"
-               for k in saved if k not in RESUMABLE_CHANGES + ("resume", "output_dir", "overwrite")
-               and getattr(args, k) != saved[k]]
-    need(not refused, f"--resume {args.resume!r}: this run was made with {'; '.join(refused)}. A resumed run "
-                      f"keeps the flags that define it; those that may change: "
-                      f"{', '.join('--' + k.replace('_', '-') for k in RESUMABLE_CHANGES if hasattr(args, k))}")
-
-
-# ---------------------------------------------------------------------------------------
-# seeding
-# ---------------------------------------------------------------------------------------
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -337,6 +161,69 @@ class Run:
                     "reward": float(rewards[i]), **{f"reward/{k}": float(v[i]) for k, v in reward_parts.items()},
                     "advantage": float(advantages[i])} for i in range(n)]
         self.logger.log_completions(step, records)
+
+    def start(self, llm, tokenizer, task) -> None:
+        """Says what runs where, and evaluates the starting policy on the held-out split (step 0
+        of a new run's metrics). The engine, tokenizer and task are kept for the evaluations."""
+        self.llm, self.tokenizer, self.task = llm, tokenizer, task
+        a = self.args
+        print(f"{a.exp_name}: {a.model} on {a.task} ({self.launch['device']}), {a.steps} steps of "
+              f"{a.prompts_per_step} prompts x {a.completions_per_prompt} completions -> {self.dir}")
+        self.eval_metrics = self.evaluate()
+        if self.start_step == 0:
+            self.log(0, self.eval_metrics)
+
+    def evaluate(self) -> dict:
+        """Greedy held-out accuracy and reward (rank 0's, on every rank), prompts as in training."""
+        a = self.args
+        return evaluate(self.llm, self.tokenizer, self.task, a.max_new_tokens, a.chat_template, a.system_prompt)
+
+    def restore(self, models: dict, optimizer, scheduler, prompt_sampler) -> dict:
+        """Keeps what a checkpoint holds (models by name, the optimizer, the learning-rate schedule,
+        the prompt sampler) and, on --resume, loads the checkpoint's state into them (the models
+        load from its folders themselves). Returns the checkpoint's trainer state, whose entries
+        include the algorithm's own (end_step's keyword arguments); {} for a new run."""
+        self.saved = models, optimizer, scheduler, prompt_sampler
+        if not self.args.resume:
+            return {}
+        state = self.load_checkpoint(models, optimizer)
+        scheduler.load_state_dict(state["scheduler"])
+        prompt_sampler.set_state(state["prompt_sampler"])
+        return state
+
+    def steps(self):
+        """for step in run.steps(): the steps left, under a progress bar (rank 0), with Ctrl-C and
+        SIGTERM caught: the first one lets the step finish, and end_step saves and exits."""
+        a = self.args
+        self.progress = tqdm(range(self.start_step, a.steps), initial=self.start_step, total=a.steps,
+                             desc=a.exp_name, disable=not dist.is_main())
+        with GracefulInterrupt() as self.interrupt:
+            yield from self.progress
+
+    def end_step(self, step: int, metrics: dict, **algorithm_state) -> None:
+        """After step `step`: the metrics averaged over ranks, the held-out evaluation when due
+        (--eval-every, and the last step), the logs and the progress bar; then a checkpoint when
+        due (--save-every) or when Ctrl-C / SIGTERM asked to stop (algorithm_state goes into it),
+        and in that case the exit (130, 143: not a finished run)."""
+        a = self.args
+        metrics = dist.mean_over_ranks(metrics)
+        if (a.eval_every and step % a.eval_every == 0) or step == a.steps:
+            self.eval_metrics = self.evaluate()
+            metrics.update(self.eval_metrics)
+        self.log(step, metrics)
+        self.progress.set_postfix(reward=f"{float(metrics['reward/mean']):.3f}",
+                             eval_acc=f"{self.eval_metrics['eval/accuracy']:.3f}",
+                             kl=f"{float(metrics.get('kl/ref', 0.0)):.4f}")
+        stop = self.interrupt.stop()  # under torchrun every rank stops after the same step
+        if (a.save_every and step % a.save_every == 0) or stop:
+            models, optimizer, scheduler, prompt_sampler = self.saved
+            state = {"scheduler": scheduler.state_dict(), "prompt_sampler": prompt_sampler.get_state(),
+                     **algorithm_state}
+            path = self.save_checkpoint(step, models, self.tokenizer, state, optimizer)
+            if stop:
+                print(f"saved checkpoint {path}; continue with --resume {path}")
+                self.close()
+                sys.exit(self.interrupt.exit_code)
 
     def wall_time(self) -> float:
         return self.wall_time_before + time.perf_counter() - self.t_start
@@ -541,63 +428,3 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
-
-
-# ---------------------------------------------------------------------------------------
-# stopping cleanly, timing, memory
-# ---------------------------------------------------------------------------------------
-
-class GracefulInterrupt:
-    """The first Ctrl-C or SIGTERM (what schedulers and `timeout` send) asks the loop to stop
-    after the current step, which then saves a checkpoint and exits with 128 + the signal's
-    number (130, 143), so a wrapper can tell it from a finished run. A second one stops at once."""
-
-    def __init__(self):
-        self.requested, self.exit_code = False, 0
-
-    def __enter__(self):
-        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested, self.exit_code = True, 128 + signum
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        # stderr: under torchrun only rank 0's stdout is shown, and the signal may reach another rank
-        print(f"\n{name}: finishing this step, then saving a checkpoint (again to abort)", file=sys.stderr, flush=True)
-
-    def stop(self) -> bool:
-        """Whether to save and stop after this step. Every rank calls it once per step: under
-        torchrun a signal that reached one rank stops them all after the same step, with one
-        checkpoint, and the same exit code."""
-        if dist.world_size() > 1:
-            self.exit_code = int(dist.all_gather(torch.tensor([self.exit_code])).max())
-            self.requested = self.exit_code > 0
-        return self.requested
-
-    def __exit__(self, *exc):
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        return False
-
-
-@contextlib.contextmanager
-def timed(times: dict, name: str):
-    """with timed(times, "rollout"): ...  stores the section's wall time in times[name]."""
-    t0 = time.perf_counter()
-    yield
-    times[name] = time.perf_counter() - t0
-
-
-def memory_metrics(llm) -> dict:
-    """memory/engine_gib: what the vLLM engine took when it started (weights and KV cache; on
-    CPU the process memory it added). memory/peak_gib: the trainer's peak since the previous
-    call, i.e. this step, on CUDA (torch's peak allocation, less the engine's tensors); on CPU
-    the process's peak resident memory so far, engine included (it cannot be reset there)."""
-    if torch.cuda.is_available():
-        peak = torch.cuda.max_memory_allocated() - llm.memory["allocated"]
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    return {"memory/peak_gib": peak / 2**30, "memory/engine_gib": llm.memory["device"] / 2**30}

@@ -1,0 +1,199 @@
+"""The run's arguments: parsed with tyro, checked in one line each, and on --resume restored
+from the checkpoint (which also says which script and run made it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import typing
+from pathlib import Path
+
+from common import dist
+from common.errors import ConfigError, RunError, need
+
+
+# Flags a resumed run may change (each change is printed). Every other flag defines the run
+# (model, task, seed, batch shape, optimizer, algorithm) and is restored from the checkpoint;
+# giving it again with another value is refused.
+RESUMABLE_CHANGES = ("steps", "eval_every", "save_every", "micro_batch_size", "gradient_checkpointing",
+                     "vllm_gpu_memory_utilization", "vllm_cpu_kv_cache_gib", "vllm_sleep", "tensorboard", "track",
+                     "wandb_project", "log_completions")
+
+
+def parse_args(Args, argv: list[str] | None = None):
+    """tyro.cli(Args). With --resume, the run's saved arguments become the defaults: the run
+    continues as it was started, whatever the command line leaves out. Flags given again
+    with a new value are applied if they are in RESUMABLE_CHANGES, else refused."""
+    import tyro
+
+    args = tyro.cli(Args, args=argv)
+    if args.resume is None:
+        return args
+    checkpoint = find_checkpoint(args.resume)
+    saved = saved_args(Args, checkpoint)
+    # a repeatable flag (--reward) given again replaces its saved value instead of adding to it
+    given = [a.split("=", 1)[0] for a in (argv if argv is not None else sys.argv[1:])]  # --reward=X too
+    saved = dataclasses.replace(saved, **{name: () for name in appended_fields(Args)
+                                          if f"--{name.replace('_', '-')}" in given})
+    args = tyro.cli(Args, args=argv, default=saved)
+    args.resume = checkpoint  # --resume RUN_FOLDER means its latest checkpoint
+    check_resume(args)
+    for name in RESUMABLE_CHANGES:
+        if hasattr(args, name) and getattr(args, name) != getattr(saved, name) and dist.is_main():
+            print(f"resume: --{name.replace('_', '-')} {getattr(saved, name)} -> {getattr(args, name)}")
+    return args
+
+
+def cli(main, Args) -> None:
+    """if __name__ == "__main__": cli(main, Args): main(the parsed arguments), a RunError (bad input,
+    a failed run) said in one line and exit status 1 instead of a traceback."""
+    try:
+        main(parse_args(Args))
+    except RunError as e:
+        sys.exit(f"error: {e}")
+
+
+def appended_fields(Args) -> list[str]:
+    """The fields given once per value (tyro.conf.UseAppendAction: --reward A --reward B)."""
+    import tyro
+
+    hints = typing.get_type_hints(Args, include_extras=True)
+    return [name for name, hint in hints.items() if tyro.conf.UseAppendAction in getattr(hint, "__metadata__", ())]
+
+
+def check_args(args, max_context: int, max_prompt_len: int, min_completions: int = 2) -> None:
+    """One clear line for each bad value of the fields every script shares."""
+    need(args.steps > 0, f"--steps must be positive, got {args.steps}")
+    need(args.seed >= 0, f"--seed must be >= 0, got {args.seed}")
+    need(args.lr > 0 and math.isfinite(args.lr), f"--lr must be positive, got {args.lr}")
+    need(args.prompts_per_step > 0, f"--prompts-per-step must be positive, got {args.prompts_per_step}")
+    need(args.completions_per_prompt >= min_completions,
+         f"--completions-per-prompt must be >= {min_completions} (a group baseline compares the "
+         f"completions of one prompt), got {args.completions_per_prompt}")
+    need(args.max_new_tokens > 0, f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    need(max_prompt_len + args.max_new_tokens <= max_context,
+         f"--max-new-tokens {args.max_new_tokens} plus the longest prompt ({max_prompt_len} tokens) "
+         f"exceeds the model's context of {max_context} tokens")
+    need(args.temperature > 0, f"--temperature must be positive, got {args.temperature}")
+    need(args.micro_batch_size > 0, f"--micro-batch-size must be positive, got {args.micro_batch_size}")
+    need(args.max_grad_norm > 0, f"--max-grad-norm must be positive, got {args.max_grad_norm}")
+    need(args.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    need(args.eval_every >= 0, f"--eval-every must be >= 0 (0: only at start and end), got {args.eval_every}")
+    need(args.save_every >= 0, f"--save-every must be >= 0 (0: only on Ctrl-C), got {args.save_every}")
+    need(args.log_completions >= 0, f"--log-completions must be >= 0, got {args.log_completions}")
+    need(args.vllm_cpu_kv_cache_gib >= 1, f"--vllm-cpu-kv-cache-gib must be >= 1, got {args.vllm_cpu_kv_cache_gib}")
+    need(0 < args.vllm_gpu_memory_utilization <= 1,
+         f"--vllm-gpu-memory-utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
+    need(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
+    need(args.vllm_is_cap is None or args.vllm_is_cap == 0 or args.vllm_is_cap >= 1,
+         f"--vllm-is-cap must be 0 (off) or >= 1, got {args.vllm_is_cap}")
+    need(args.lora_rank >= 0 and args.lora_alpha > 0, f"--lora-rank must be >= 0 and --lora-alpha > 0, got "
+                                                      f"{args.lora_rank} and {args.lora_alpha}")
+    need(not (getattr(args, "ref_update_every", 0) and args.lora_rank),
+         "--ref-update-every needs full fine-tuning (--lora-rank 0): under LoRA the reference is the base model")
+    if args.dtype == "bfloat16" and args.lr < 1e-4:
+        print(f"warning: --dtype bfloat16 keeps ~3 significant digits per weight, so AdamW steps of about "
+              f"--lr {args.lr} are mostly rounded away; --dtype float32 (the default) keeps fp32 master "
+              f"weights", file=sys.stderr)
+    world = dist.world_size()
+    need(args.prompts_per_step % world == 0, f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
+                                             f"number of processes ({world}): each takes an equal share of the prompts")
+    if hasattr(args, "num_minibatches"):  # scripts that reuse a rollout batch for several updates
+        batch = args.prompts_per_step * args.completions_per_prompt // world
+        need(args.num_minibatches > 0 and batch % args.num_minibatches == 0,
+             f"--num-minibatches {args.num_minibatches} must divide the rollout batch "
+             f"(prompts_per_step x completions_per_prompt = {batch}" + (f", per process of {world})" if world > 1
+                                                                         else ")"))
+        need(args.num_epochs > 0, f"--num-epochs must be positive, got {args.num_epochs}")
+
+
+# ---------------------------------------------------------------------------------------
+# resuming: which checkpoint, made by what
+# ---------------------------------------------------------------------------------------
+
+def script_name(Args) -> str:
+    """The file that defines this Args class (grpo.py, ...): what made a checkpoint."""
+    return os.path.basename(sys.modules[Args.__module__].__file__)
+
+
+def check_script(info: dict, script: str, checkpoint: str) -> None:
+    need(info["script"] == script,
+         f"--resume {checkpoint!r}: this checkpoint was made by {info['script']} (model {info['args']['model']!r}), "
+         f"not {script}; resume it with: python {info['script']} --resume {checkpoint}")
+
+
+def find_checkpoint(path: str) -> str:
+    """--resume's folder: a checkpoint (runs/X/checkpoints/step_N), or a run folder (its
+    latest checkpoint). Anything else is one line."""
+    path = os.path.expanduser(path.rstrip("/"))
+    if path.endswith(".tmp"):
+        raise ConfigError(f"--resume {path!r} is a half-written checkpoint (its save did not finish); "
+                          f"resume from a complete one: {latest_checkpoint(os.path.dirname(os.path.dirname(path)))}")
+    need(os.path.isdir(path), f"--resume {path!r}: no such folder")
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        latest = latest_checkpoint(path)
+        need(latest is not None, f"--resume {path!r}: this run folder has no checkpoint to resume from")
+        return latest
+    need(os.path.isfile(os.path.join(path, "trainer_state.pt")),
+         f"--resume {path!r} is not a checkpoint folder (no trainer_state.pt)")
+    need(os.path.isfile(os.path.join(path, "run.json")),
+         f"--resume {path!r} was written by an older version of these scripts (no run.json): "
+         f"its arguments are unknown, start a new run from its weights with --model {path}/policy")
+    need(os.path.isdir(os.path.join(path, "optimizer")),
+         f"--resume {path!r} was written by an older version of these scripts (no optimizer/ folder): "
+         f"start a new run from its weights with --model {path}/policy")
+    return path
+
+
+def latest_checkpoint(run_dir: str) -> str | None:
+    ckpts = sorted(Path(run_dir, "checkpoints").glob("step_*[0-9]"), key=lambda p: int(p.name[5:]))
+    return str(ckpts[-1]) if ckpts else None
+
+
+def read_run_info(checkpoint: str) -> dict:
+    with open(os.path.join(checkpoint, "run.json")) as f:
+        info = json.load(f)
+    info["args"] = {k: tuple(v) if isinstance(v, list) else v for k, v in info["args"].items()}  # JSON has no tuples
+    return info
+
+
+def saved_args(Args, checkpoint: str):
+    """The arguments a checkpoint's run was made with, as an Args, after checking that it
+    was made by this script; resuming continues in the checkpoint's run folder."""
+    info, script = read_run_info(checkpoint), script_name(Args)
+    check_script(info, script, checkpoint)
+    fields = {f.name for f in dataclasses.fields(Args)}
+    unknown = sorted(set(info["args"]) - fields)
+    need(not unknown, f"--resume {checkpoint!r}: the checkpoint has arguments this {script} does not know "
+                      f"({', '.join(unknown)}): it was made by another version of the script")
+    saved = Args(**info["args"])
+    saved.resume = checkpoint
+    saved.output_dir = run_folder_of(checkpoint)
+    return saved
+
+
+def run_folder_of(checkpoint: str) -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))
+
+
+def forks(args) -> bool:
+    """Whether a resume continues in another folder than its checkpoint's (a fork of the run)."""
+    return args.output_dir is not None and os.path.abspath(args.output_dir) != run_folder_of(args.resume)
+
+
+def check_resume(args) -> None:
+    """Refuse a resume whose arguments define another run than the checkpoint's."""
+    info = read_run_info(args.resume)
+    check_script(info, script_name(type(args)), args.resume)
+    need(not args.overwrite or forks(args), "--overwrite and --resume contradict each other: a resumed run "
+                                            "continues in its own folder (or give a new --output-dir)")
+    saved = info["args"]
+    refused = [f"--{k.replace('_', '-')} {saved[k]!r} (you asked for {getattr(args, k)!r})"
+               for k in saved if k not in RESUMABLE_CHANGES + ("resume", "output_dir", "overwrite")
+               and getattr(args, k) != saved[k]]
+    need(not refused, f"--resume {args.resume!r}: this run was made with {'; '.join(refused)}. A resumed run "
+                      f"keeps the flags that define it; those that may change: "
+                      f"{', '.join('--' + k.replace('_', '-') for k in RESUMABLE_CHANGES if hasattr(args, k))}")

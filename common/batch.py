@@ -1,0 +1,157 @@
+"""The batch layout every script uses, and how a micro-batch runs through the model.
+
+Each row is [left-padded prompt | completion, right-padded], so the prompt always ends at
+column P and completion token j sits at column P + j. `completion_mask` marks real
+completion tokens (EOS included). Micro-batches are rows of similar length, each cut to
+the columns it needs; a micro-batch runs as one packed row when that is cheaper.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def position_ids_of(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each column's position among its row's real tokens (left padding gets 0)."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int):
+    """The logits that score the real completion tokens, [N, V] with N = attention_mask[:, -C:].sum(),
+    in the row-major order of those tokens: completion token j of a row is scored by the logit
+    at its column P + j - 1.
+
+    Padding costs as much compute as real tokens, and the G completions of a prompt repeat
+    it. So when it is cheaper (see pays_to_pack), the micro-batch runs as one packed row
+    (pack): each distinct prompt once, then each of its completions (but its last token,
+    which scores nothing), no padding, and an attention mask that lets a completion see
+    only its own prompt and its own earlier tokens; position ids restart with each prompt
+    and go on through each completion, as in vLLM. The same function of the weights as the
+    padded batch (autograd sums a shared prompt's gradient over its completions). Otherwise
+    the padded batch runs as it is; position ids count real tokens only, so left padding
+    does not shift positions. Either way only the N scoring rows go through the output
+    layer (logits_to_keep)."""
+    C = num_completion_tokens
+    packed = pack(model, input_ids, attention_mask, C)
+    if packed is not None:
+        ids, position_ids, mask, keep = packed
+        return model(input_ids=ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=keep,
+                     use_cache=False).logits[0]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask),
+                   logits_to_keep=C + 1, use_cache=False).logits[:, :-1]
+    return logits[attention_mask[:, -C:].bool()]
+
+
+def pack(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int):
+    """The micro-batch as one row (see completion_logits): (input_ids [1, L], position_ids [1, L],
+    attention mask [1, 1, L, L], keep [N]: the column of the logit that scores each real
+    completion token, in row-major order); None if packing does not pay (pays_to_pack) or
+    the model's attention takes no custom mask (only transformers' sdpa and eager do)."""
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    C = num_completion_tokens
+    P = input_ids.shape[1] - C
+    if attention not in ("sdpa", "eager") or P < 1:
+        return None
+    prompts, group = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], dim=1), dim=0,
+                                  return_inverse=True)
+    real = attention_mask.bool()
+    pieces, keep, n = [], [None] * len(input_ids), 0  # (token ids, first position, row or -1, group); columns so far
+    for g, prompt in enumerate(prompts):
+        prompt = prompt[:P][prompt[P:].bool()]
+        pieces.append((prompt, 0, -1, g))
+        n += len(prompt)
+        last = n - 1  # the prompt's last token: its logit scores each completion's first token
+        for i in (group == g).nonzero().flatten().tolist():
+            completion = input_ids[i, P:][real[i, P:]]
+            keep[i] = n - 1 + torch.arange(len(completion))  # token j > 0 is scored at token j - 1's column
+            keep[i][:1] = last
+            pieces.append((completion[:-1], len(prompt), i, g))  # its last token scores nothing
+            n += len(completion[:-1])
+    L = n  # the packed row's length
+    if not pays_to_pack(L, input_ids.numel(), input_ids.shape[1], model.config.hidden_size):
+        return None
+    ids = torch.cat([tokens for tokens, _, _, _ in pieces])
+    position_ids = torch.cat([first + torch.arange(len(tokens)) for tokens, first, _, _ in pieces])
+    row = torch.cat([torch.full((len(tokens),), r) for tokens, _, r, _ in pieces])
+    group_of = torch.cat([torch.full((len(tokens),), g) for tokens, _, _, g in pieces])
+    # a token sees the earlier tokens of its own group that are its prompt or its own completion
+    mask = torch.ones(L, L, dtype=torch.bool).tril_() & (group_of[:, None] == group_of[None, :]) & \
+        ((row[None, :] == -1) | (row[:, None] == row[None, :]))
+    if attention == "eager":  # eager attention adds its mask to the scores
+        mask = torch.zeros(L, L).masked_fill_(~mask, float("-inf"))
+    device = input_ids.device
+    return ids[None].to(device), position_ids[None].to(device), mask[None, None].to(device), torch.cat(keep).to(device)
+
+
+def pays_to_pack(packed_len: int, padded_tokens: int, padded_len: int, hidden_size: int) -> bool:
+    """Whether one packed row of packed_len tokens costs fewer FLOPs than the padded batch
+    (padded_tokens in rows of padded_len). Per layer a token costs ~24 d^2 in the linear
+    layers and ~4 d per token it attends to; packing turns many short attention spans into
+    one long one (quadratic), so long completions (GPU-sized runs) stay padded."""
+    def cost(tokens, span):
+        return tokens * (1 + span / (6 * hidden_size))
+    return cost(packed_len, packed_len) < cost(padded_tokens, padded_len)
+
+
+def micro_batches(rows: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  num_completion_tokens: int, size: int):
+    """Split rows (indices into the batch) into micro-batches of similar length, each cut to
+    the columns it needs. Yields (micro, columns, c): input_ids[micro, columns] holds these
+    rows' prompts left-padded to their own longest prompt and their completions right-padded
+    to their own longest completion, c tokens; per-token tensors line up as [micro, :c].
+
+    Padding costs as much compute as tokens, and a batch's longest prompt and completion are
+    rarely in the same row: sorting by length and cutting each micro-batch to its own longest
+    row skips most of it. Rows with the same prompt stay next to each other (sorted by their
+    group's longest completion), so that a micro-batch holds whole groups whose prompt runs
+    once (see completion_logits). Normalizers stay the minibatch's (see aggregate), so the
+    summed micro-batch gradients are still the minibatch's gradient."""
+    C = num_completion_tokens
+    P = attention_mask.shape[1] - C
+    prompt_lens = attention_mask[rows, :P].sum(1)
+    completion_lens = attention_mask[rows, P:].sum(1)
+    _, group = torch.unique(torch.cat([input_ids[rows, :P], attention_mask[rows, :P]], dim=1), dim=0,
+                            return_inverse=True)
+    group_lens = torch.zeros_like(completion_lens).scatter_reduce(0, group, completion_lens, "amax")[group]
+    order = torch.argsort(((group_lens * (P + 1) + prompt_lens) * len(rows) + group) * (C + 1) + completion_lens,
+                          stable=True)
+    for i in range(0, len(rows), size):
+        chunk = order[i:i + size]
+        p, c = int(prompt_lens[chunk].max()), max(1, int(completion_lens[chunk].max()))
+        yield rows[chunk], slice(P - p, P + c), c
+
+
+def make_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_token_id: int,
+               device: str | torch.device):
+    """Pad rollouts into the [left-padded prompt | right-padded completion] layout.
+
+    Returns input_ids [B, P+C], attention_mask [B, P+C] and completion_mask [B, C], where
+    C is the longest completion. Padding is found by position, never by token id, so an
+    EOS that ends a completion stays in the mask even when pad and EOS share an id."""
+    P = max(len(p) for p in prompt_ids)
+    C = max(1, max(len(c) for c in completion_ids))
+    B = len(prompt_ids)
+    input_ids = torch.full((B, P + C), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, P + C), dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        input_ids[i, P - len(p):P] = torch.tensor(p)
+        input_ids[i, P:P + len(c)] = torch.tensor(c, dtype=torch.long)
+        attention_mask[i, P - len(p):P + len(c)] = 1
+    completion_mask = attention_mask[:, P:].clone()
+    return input_ids.to(device), attention_mask.to(device), completion_mask.to(device)
+
+
+def rollout_batch(prompt_ids: list[list[int]], completions, pad_token_id: int, device, mask_truncated: bool = False):
+    """A rollout (each prompt's completions consecutive, vLLM's outputs) in the batch layout:
+    input_ids, attention_mask, completion_mask, loss_mask ([B, C]: completion_mask, less the
+    completions that hit the token limit when mask_truncated: no EOS, so we don't know how they
+    would have ended) and truncated [B]."""
+    G = len(completions) // len(prompt_ids)
+    input_ids, attention_mask, completion_mask = make_batch([p for p in prompt_ids for _ in range(G)],
+                                                            [list(c.token_ids) for c in completions], pad_token_id,
+                                                            device)
+    truncated = torch.tensor([c.finish_reason == "length" for c in completions], device=device)
+    loss_mask = completion_mask.clone()
+    if mask_truncated:
+        loss_mask[truncated] = 0
+    return input_ids, attention_mask, completion_mask, loss_mask, truncated

@@ -1,0 +1,60 @@
+"""The metrics every script logs the same way: section times, memory, and a step's generic metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import time
+
+import torch
+
+from common.ops import masked_mean, truncated_is_weights
+
+
+@contextlib.contextmanager
+def timed(times: dict, name: str):
+    """with timed(times, "rollout"): ...  stores the section's wall time in times[name]."""
+    t0 = time.perf_counter()
+    yield
+    times[name] = time.perf_counter() - t0
+
+
+def memory_metrics(llm) -> dict:
+    """memory/engine_gib: what the vLLM engine took when it started (weights and KV cache; on
+    CPU the process memory it added). memory/peak_gib: the trainer's peak since the previous
+    call, i.e. this step, on CUDA (torch's peak allocation, less the engine's tensors); on CPU
+    the process's peak resident memory so far, engine included (it cannot be reset there)."""
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated() - llm.memory["allocated"]
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {"memory/peak_gib": peak / 2**30, "memory/engine_gib": llm.memory["device"] / 2**30}
+
+
+def step_metrics(step_stats: dict, rewards, reward_parts: dict, completion_mask, truncated, old_logprobs,
+                 vllm_logprobs, ref_logprobs, vllm_is_cap: float, scheduler, times: dict, llm) -> dict:
+    """The metrics every script logs the same way for a step: the update's statistics (mean
+    over micro-batches), reward and its terms, completion length and truncation, vLLM's
+    log-prob mismatch and the importance weights that correct it, the learning rate, section
+    times, throughput, memory, and KL(pi_old || pi_ref) (k3) where there is a reference."""
+    metrics = {k: sum(v) / len(v) for k, v in step_stats.items()}
+    metrics.update({
+        "reward/mean": rewards.mean(), "reward/std": rewards.std(),
+        **{f"reward/{k}_mean": v.mean() for k, v in reward_parts.items()},
+        "response/length_mean": completion_mask.sum(1).float().mean(),
+        "response/truncated_frac": truncated.float().mean(),
+        "rollout/logprob_mismatch": masked_mean((vllm_logprobs - old_logprobs).abs(), completion_mask),
+        "rollout/is_weight_mean": masked_mean(truncated_is_weights(old_logprobs, vllm_logprobs, vllm_is_cap),
+                                              completion_mask),
+        "rollout/is_capped_frac": masked_mean((torch.exp(old_logprobs - vllm_logprobs) > vllm_is_cap).float(),
+                                              completion_mask) if vllm_is_cap else 0.0,
+        "optim/lr": scheduler.get_last_lr()[0],
+        **{f"time/{k}": v for k, v in times.items()},
+        "throughput/tokens_per_s": completion_mask.sum() / times["step"],
+        **memory_metrics(llm),
+    })
+    if ref_logprobs is not None:
+        log_ref_ratio = ref_logprobs - old_logprobs
+        metrics["kl/ref"] = masked_mean(torch.exp(log_ref_ratio) - log_ref_ratio - 1, completion_mask)
+    return metrics

@@ -1,0 +1,59 @@
+"""What every script does before its loop, the same way in each: load and check the task, the
+reward, the tokenizer and every argument (one line each, before anything heavy), choose the
+numerics, and size the rollout engine. The algorithm's own checks are its script's `check`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common import dist
+from common.args import check_args
+from common.models import check_model, encode_prompts, load_tokenizer
+from common.rewards import load_reward
+from common.tasks import load_task
+
+
+def prepare(args, check, min_completions: int = 2):
+    """(task, reward_fn, tokenizer, max_prompt_len) after every check: the shared arguments
+    (common/args.py check_args), then the algorithm's own (check(args)). min_completions: the
+    smallest group the algorithm's advantage can use."""
+    config = check_model(args.model)
+    task = load_task(args.task, seed=args.seed)
+    reward_fn = load_reward(args.reward, task)  # checked on a probe
+    tokenizer = load_tokenizer(args.model)
+    max_prompt_len = max(len(p) for p in encode_prompts(tokenizer, [e["prompt"] for e in task.train + task.eval],
+                                                        args.chat_template, args.system_prompt))
+    check_args(args, config.max_position_embeddings, max_prompt_len, min_completions)
+    check(args)
+    return task, reward_fn, tokenizer, max_prompt_len
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The run's numerics (--precision; auto: bf16 on CUDA, fp32 on CPU)."""
+    autocast_dtype: torch.dtype | None  # the trainer's forward/backward under autocast, or none (fp32)
+    frozen_dtype: str                   # forward-only models (reference, reward model): bf16 halves them
+    engine_dtype: str                   # vLLM's weights
+    vllm_is_cap: float                  # C of the truncated importance weights: 2 under bf16, off in fp32
+
+    def autocast(self, device: str):
+        """with precision.autocast(device): the block under bf16 autocast, or as it is (fp32)."""
+        return torch.autocast(device, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+
+    @classmethod
+    def of(cls, args, device: str) -> Precision:
+        bf16 = args.precision == "bf16" or (args.precision == "auto" and device == "cuda")
+        # vLLM and the trainer differ by ~1e-2 in bf16, ~1e-5 in fp32 (an explicit --vllm-is-cap wins)
+        cap = args.vllm_is_cap if args.vllm_is_cap is not None else (2.0 if bf16 else 0.0)
+        return cls(torch.bfloat16 if bf16 else None, "bfloat16" if bf16 else args.dtype,
+                   "bfloat16" if bf16 else "float32", cap)
+
+
+def engine_options(args, max_prompt_len: int, precision: Precision) -> dict:
+    """create_engine's arguments for this run: seeded per rank, long enough for the longest
+    prompt and completion."""
+    return dict(seed=args.seed + dist.rank(), max_model_len=max_prompt_len + args.max_new_tokens,
+                dtype=precision.engine_dtype, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                cpu_kv_cache_gib=args.vllm_cpu_kv_cache_gib, sleep_mode=args.vllm_sleep)
