@@ -726,7 +726,7 @@ def write_report(data: dict, out: Path) -> str:
     parts = [f"## Results ({data['mode']} mode)\n",
              provenance_md(data["environment"]) + f"Duration: {data['elapsed_s'] / 60:.1f} min{reused}.\n"]
     for later in data.get("remeasured", []):  # rows measured afterwards with --only
-        parts.append(f"Rows {', '.join(later['names'])} measured later, alone: " + provenance_md(later["environment"])
+        parts.append(f"Rows {', '.join(later['names'])} measured later (--only): " + provenance_md(later["environment"])
                      + f"Duration: {later['elapsed_s'] / 60:.1f} min.\n")
     curves = {r["label"]: r["aggregate"]["curves"] for r in main.values() if r.get("aggregate")}
     if curves:

@@ -106,6 +106,23 @@ def test_tables_and_plots_from_run_folders(tmp_path):
 
 
 # ----------------------------------------------------------------- gradient variance
+def test_every_algorithm_script_is_found_and_only_rows_merge(tmp_path):
+    """The comparison lists every top-level script with a compute_loss (none registered by hand);
+    --only NAME re-measures those rows alone and merges them into results.json, which records when,
+    and refuses a mode whose settings changed since."""
+    scripts = sorted(p.name for p in ROOT.glob("*.py") if "\ndef compute_loss(" in p.read_text())
+    assert [c.script for c in bench.ALGORITHMS] == scripts and "sapo.py" in scripts
+    assert bench.BY_NAME["ppo"].label == "PPO" and bench.BY_NAME["reinforce"].label == "REINFORCE"
+    old = {"settings": {"steps": 30}, "runs": {"grpo": {"v": 1}, "sapo": {"v": 1}}, "environment": {"date": "then"}}
+    new = {"settings": {"steps": 30}, "runs": {"sapo": {"v": 2}}, "environment": {"date": "now"}, "elapsed_s": 60.0,
+           "mode": "full"}
+    merged = bench.merge_rows(json.loads(json.dumps(old)), new, ["sapo"])
+    assert merged["runs"] == {"grpo": {"v": 1}, "sapo": {"v": 2}} and merged["environment"] == {"date": "then"}
+    assert merged["remeasured"] == [{"names": ["sapo"], "environment": {"date": "now"}, "elapsed_s": 60.0}]
+    with pytest.raises(SystemExit, match="settings changed"):
+        bench.merge_rows(old, {**new, "settings": {"steps": 100}}, ["sapo"])
+
+
 def test_variance_statistics_by_hand():
     g = torch.tensor([[1.0, 0.0], [3.0, 0.0], [2.0, 3.0]])
     s = gradient_variance.variance_stats(g)
