@@ -83,10 +83,11 @@ class Args:
 
     # optimization
     lr: float = 2e-4
+    """AdamW's learning rate (ours, for the 1M-parameter default model; the papers' ~1e-6 is for billions)"""
     num_epochs: int = 1
     """passes over each rollout batch"""
     num_minibatches: int = 4
-    """optimizer steps per pass over the rollout batch"""
+    """optimizer steps per pass over the rollout batch (ours: several, so the ratio leaves 1)"""
     micro_batch_size: int = 64
     """sequences per forward/backward (gradient accumulation within a minibatch)"""
     max_grad_norm: float = 1.0
@@ -104,7 +105,7 @@ class Args:
     eps_low: float = 1.0
     """lower bound of the IS weight: 1 - eps_low (1.0: no lower bound, as in the paper)"""
     eps_high: float = 0.28
-    """upper bound of the IS weight: 1 + eps_high (the paper tunes only this one)"""
+    """upper bound of the IS weight: 1 + eps_high (ours, DAPO's clip-higher; the paper tunes only this bound)"""
     kl_coef: float = 0.0
     """beta, weight of the k3 KL to the reference in the loss (the paper: none); 0 loads no reference model"""
     scale_rewards: bool = True

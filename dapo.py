@@ -97,10 +97,11 @@ class Args:
 
     # optimization
     lr: float = 2e-4
+    """AdamW's learning rate (ours, for the 1M-parameter default model; the papers' ~1e-6 is for billions)"""
     num_epochs: int = 1
     """passes over each rollout batch"""
     num_minibatches: int = 4
-    """optimizer steps per pass over the rollout batch"""
+    """optimizer steps per pass over the rollout batch (ours: several, so the ratio leaves 1)"""
     micro_batch_size: int = 64
     """sequences per forward/backward (gradient accumulation within a minibatch)"""
     max_grad_norm: float = 1.0
@@ -116,9 +117,9 @@ class Args:
 
     # algorithm
     eps_low: float = 0.2
-    """lower clip range: ratio is clipped at 1 - eps_low"""
+    """lower clip range: ratio is clipped at 1 - eps_low (the paper's)"""
     eps_high: float = 0.28
-    """upper clip range: ratio is clipped at 1 + eps_high (clip-higher: above eps_low, so unlikely tokens can rise)"""
+    """upper clip range: 1 + eps_high (the paper's clip-higher: above eps_low, so unlikely tokens can rise)"""
     kl_coef: float = 0.0
     """beta, weight of the k3 KL to the reference in the loss; 0 (DAPO) loads no reference model"""
     scale_rewards: bool = True
@@ -128,13 +129,13 @@ class Args:
         "token-mean")
     """how per-token losses are averaged (DAPO: token-mean, every token of the minibatch weighs the same)"""
     max_sampling_rounds: int = 4
-    """dynamic sampling: at most this many rounds of prompts_per_step prompts per step; when reached, the
-    step trains on the groups with unequal rewards kept so far (no update if none)"""
+    """dynamic sampling: at most this many rounds of prompts_per_step prompts per step (ours: the paper samples
+    until the batch is full); when reached, the step trains on the groups kept so far (no update if none)"""
     overlong_buffer_len: int = 3
     """L_cache: completions longer than max_new_tokens - L_cache tokens get a penalty growing linearly to
     -1 at max_new_tokens; 0: off (3 here: the longest right answer of sort, 8 digits and EOS, is 9 tokens)"""
     overlong_penalty_factor: float = 1.0
-    """weight of the overlong penalty in the reward"""
+    """weight of the overlong penalty in the reward (the paper's)"""
     mask_truncated_completions: bool = False
     """leave completions that hit max_new_tokens (no EOS) out of the loss"""
     vllm_is_cap: float | None = None
@@ -348,10 +349,9 @@ def main(args: Args) -> None:
                 ])[:args.prompts_per_step - len(groups)]
                 if len(groups) == args.prompts_per_step:
                     break
-            groups = groups[:len(groups) - len(groups) % dist.world_size()]  # N ranks: equal shares
-            num_kept = len(groups)
+            groups, num_kept = dist.share_whole(groups)  # N ranks: an equal share of whole groups each
             if num_kept:
-                examples, prompt_ids, completions, rewards, parts = zip(*dist.share(groups))
+                examples, prompt_ids, completions, rewards, parts = zip(*groups)
                 completions = [c for group in completions for c in group]
                 reward_parts = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
                 rewards = torch.cat(rewards)

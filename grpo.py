@@ -84,10 +84,11 @@ class Args:
 
     # optimization
     lr: float = 2e-4
+    """AdamW's learning rate (ours, for the 1M-parameter default model; the papers' ~1e-6 is for billions)"""
     num_epochs: int = 1
     """passes over each rollout batch"""
     num_minibatches: int = 4
-    """optimizer steps per pass over the rollout batch"""
+    """optimizer steps per pass over the rollout batch (ours: several, so the ratio leaves 1)"""
     micro_batch_size: int = 64
     """sequences per forward/backward (gradient accumulation within a minibatch)"""
     max_grad_norm: float = 1.0
@@ -103,11 +104,11 @@ class Args:
 
     # algorithm
     eps_low: float = 0.2
-    """lower clip range: ratio is clipped at 1 - eps_low"""
+    """lower clip range: ratio is clipped at 1 - eps_low (the paper's)"""
     eps_high: float = 0.2
-    """upper clip range: ratio is clipped at 1 + eps_high (DAPO clip-higher: 0.28)"""
+    """upper clip range: ratio is clipped at 1 + eps_high (the paper's; DAPO clip-higher: 0.28)"""
     kl_coef: float = 0.04
-    """beta, weight of the k3 KL to the reference in the loss; 0 loads no reference model"""
+    """beta, weight of the k3 KL to the reference in the loss (the paper's); 0 loads no reference model"""
     scale_rewards: bool = True
     """divide group-centered rewards by the group std (Dr. GRPO: --no-scale-rewards with
     --loss-agg seq-mean-token-sum-norm)"""

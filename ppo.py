@@ -91,13 +91,14 @@ class Args:
 
     # optimization
     lr: float = 2e-4
+    """AdamW's learning rate (ours, for the 1M-parameter default model; the papers' ~1e-6 is for billions)"""
     """policy learning rate"""
     critic_lr: float = 1e-3
-    """critic learning rate"""
+    """critic learning rate (ours)"""
     num_epochs: int = 1
     """passes over each rollout batch"""
     num_minibatches: int = 4
-    """optimizer steps per pass over the rollout batch"""
+    """optimizer steps per pass over the rollout batch (ours: several, so the ratio leaves 1)"""
     micro_batch_size: int = 64
     """sequences per forward/backward (gradient accumulation within a minibatch)"""
     max_grad_norm: float = 1.0
@@ -121,12 +122,11 @@ class Args:
 
     # algorithm
     eps_low: float = 0.2
-    """lower clip range: ratio is clipped at 1 - eps_low"""
+    """lower clip range: ratio is clipped at 1 - eps_low (defaults here: Huang et al. 2024's, unless "ours")"""
     eps_high: float = 0.2
     """upper clip range: ratio is clipped at 1 + eps_high"""
     kl_coef: float = 0.05
-    """beta, weight of the per-token KL penalty in the reward (initial value if --target-kl); 0 loads
-    no reference model"""
+    """beta of the per-token KL penalty in the reward (the initial one with --target-kl); 0: no reference model"""
     target_kl: float | None = None
     """adaptive KL controller (Ziegler et al. 2019): steer beta so the per-sequence KL approaches this"""
     kl_horizon: int = 10000

@@ -76,6 +76,7 @@ class Args:
 
     # optimization
     lr: float = 2e-4
+    """AdamW's learning rate (ours, for the 1M-parameter default model; the papers' ~1e-6 is for billions)"""
     micro_batch_size: int = 64
     """sequences per forward/backward (gradient accumulation within a minibatch)"""
     max_grad_norm: float = 1.0
@@ -91,7 +92,7 @@ class Args:
 
     # algorithm
     kl_coef: float = 0.04
-    """beta, weight of the per-token KL penalty in the reward; 0 loads no reference model"""
+    """beta, weight of the per-token KL penalty in the reward (ours: GRPO's 0.04); 0 loads no reference model"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """per-token KL estimator of the penalty (k1 unbiased; k2, k3 biased, lower variance)"""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (

@@ -85,10 +85,11 @@ class Args:
 
     # optimization
     lr: float = 2e-4
+    """AdamW's learning rate (ours, for the 1M-parameter default model; the papers' ~1e-6 is for billions)"""
     num_epochs: int = 1
     """passes over each rollout batch"""
     num_minibatches: int = 4
-    """optimizer steps per pass over the rollout batch"""
+    """optimizer steps per pass over the rollout batch (ours: several, so the ratio leaves 1)"""
     micro_batch_size: int = 64
     """sequences per forward/backward (gradient accumulation within a minibatch)"""
     max_grad_norm: float = 1.0

@@ -62,6 +62,14 @@ def share(items: list) -> list:
     return items[rank() * n:(rank() + 1) * n]
 
 
+
+def share_whole(items: list) -> tuple[list, int]:
+    """Items that every rank holds alike (pooled with all_gather_objects), shared evenly: the
+    largest multiple of N of them, each rank its equal share. Returns (this rank's share, how
+    many were shared in all)."""
+    n = len(items) - len(items) % world_size()
+    return share(items[:n]), n
+
 def all_sum(x) -> torch.Tensor:
     """x (a tensor or a number) summed over ranks, as a new float64 tensor on x's device: counts and sums
     that normalize a loss or a baseline are the global ones."""

@@ -92,3 +92,17 @@ def test_a_capped_step_trains_on_what_it_kept(kept, tmp_path, run_main, monkeypa
     else:
         assert m["rollout/kept_groups"] == 2
         assert m["optim/lr"] == pytest.approx(args.lr * 4 / 11)  # 3 optimizer steps of warmup
+
+
+def test_kept_groups_are_shared_whole_and_evenly(monkeypatch):
+    """N ranks pool the kept groups alike, then each trains on an equal share of the largest
+    multiple of N: 5 groups on 2 ranks -> 4, rank 1 gets the 3rd and 4th; one rank keeps all 5."""
+    from common import dist
+
+    monkeypatch.setattr(dist, "world_size", lambda: 2)
+    monkeypatch.setattr(dist, "rank", lambda: 1)
+    assert dist.share_whole(["a", "b", "c", "d", "e"]) == (["c", "d"], 4)
+    assert dist.share_whole(["a"]) == ([], 0)
+    monkeypatch.setattr(dist, "world_size", lambda: 1)
+    monkeypatch.setattr(dist, "rank", lambda: 0)
+    assert dist.share_whole(["a", "b", "c", "d", "e"]) == (["a", "b", "c", "d", "e"], 5)
