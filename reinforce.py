@@ -1,25 +1,25 @@
 """REINFORCE with a baseline (Williams 1992) for language models.
 
-Each completion y_i of prompt x is one episode with the verifiable reward R_i at its end
-and, optionally, a per-token penalty for moving away from a frozen reference policy,
-r_t = -beta * KL_t. With gamma = 1 the return from token t is the reward-to-go
-
-    G_{i,t} = R_i - beta * sum_{t' >= t} KL_{i,t'}
-    KL_t    = k1: logp_t - ref_t  |  k2: (logp_t - ref_t)^2 / 2  |  k3: exp(ref_t - logp_t) - (ref_t - logp_t) - 1
-
-(log-probs of the policy that sampled the batch, no gradient through the penalty; as a
-reward, k1 is an unbiased estimate of KL(pi || pi_ref) at samples of pi, k2 and k3 are biased
-ones with less variance), and the loss is the score-function estimator with a baseline b:
+Each completion y_i of prompt x is one episode with the verifiable reward R_i at its end and,
+optionally, a per-token penalty r_t = -beta * KL_t for moving away from a frozen reference; the
+loss is the score-function estimator of the return G with a baseline b:
 
     L = agg_{i,t} [ -w_t * (G_{i,t} - b) * logp_t ]   (agg seq-mean-token-sum, w = 1: -(R - b) sum_t logp_t)
-    w_t  = min(pi_old(y_t) / pi_vllm(y_t), C)              (--vllm-is-cap C; vLLM's own numerics; 1 when off)
 
 b (--baseline): none; batch-mean, the mean return of this batch's N completions (over all
 ranks); moving-average, an exponential moving average of past batches' mean returns. A
 baseline that does not depend on y_i (none, moving-average) leaves the expected gradient
 unchanged and lowers its variance. The batch mean holds y_i's own return, G_i / N of it, so
-its expected gradient is (1 - 1/N) times the true one (RLOO's leave-one-out mean is not
-scaled). On-policy: one update per rollout batch, so no importance ratio and no clipping.
+its expected gradient is (1 - 1/N) times the true one (RLOO's leave-one-out mean is not scaled).
+
+The notation REINFORCE's family shares, the same block in each of its scripts:
+
+    G_{i,t} = R_i - beta * sum_{t' >= t} KL_{i,t'}        (reward-to-go, gamma = 1; beta = --kl-coef)
+    KL_t    = k1: logp_t - ref_t | k2: (logp_t - ref_t)^2 / 2 | k3: exp(ref_t - logp_t) - (ref_t - logp_t) - 1
+              (--kl-estimator, at the sampled tokens, no gradient; k1 is unbiased, k2 and k3 vary less)
+    w_t     = min(pi_old(y_t) / pi_vllm(y_t), C)          (--vllm-is-cap C: vLLM's own numerics; 1 when off)
+
+On-policy: one update per rollout batch, so no importance ratio and no clipping.
 """
 
 import os

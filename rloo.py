@@ -3,12 +3,17 @@
 REINFORCE with K completions per prompt, where each completion's baseline is the mean
 return of the other K - 1 completions of the same prompt: it depends on the prompt but
 not on the completion it scores, so the gradient stays unbiased, with no critic and no
-moving average. Returns as in reinforce.py (gamma = 1, optional per-token KL penalty):
+moving average:
 
-    G_{i,t} = R_i - beta * sum_{t' >= t} KL_{i,t'}
     A_{i,t} = G_{i,t} - 1/(K-1) * sum_{j != i} G_{j,0}                (G_{j,0}: total return of y_j)
     L = agg_{i,t} [ -w_t * A_{i,t} * logp_t ]   (agg seq-mean-token-sum, w = 1: -(R_i - b_i) sum_t logp_t)
-    w_t  = min(pi_old(y_t) / pi_vllm(y_t), C)              (--vllm-is-cap C; vLLM's own numerics; 1 when off)
+
+The notation REINFORCE's family shares, the same block in each of its scripts:
+
+    G_{i,t} = R_i - beta * sum_{t' >= t} KL_{i,t'}        (reward-to-go, gamma = 1; beta = --kl-coef)
+    KL_t    = k1: logp_t - ref_t | k2: (logp_t - ref_t)^2 / 2 | k3: exp(ref_t - logp_t) - (ref_t - logp_t) - 1
+              (--kl-estimator, at the sampled tokens, no gradient; k1 is unbiased, k2 and k3 vary less)
+    w_t     = min(pi_old(y_t) / pi_vllm(y_t), C)          (--vllm-is-cap C: vLLM's own numerics; 1 when off)
 
 On-policy: one update per rollout batch, so no importance ratio and no clipping.
 """
