@@ -317,7 +317,7 @@ def main(args: Args) -> None:
         metrics["reward/baseline"] = baseline
         run.log_completions(step + 1, [e["prompt"] for e in examples], [c.text for c in completions], rewards,
                             reward_parts, advantages)
-        run.end_step(step + 1, metrics, baseline_state=baseline_state)  # eval, log, save
+        run.end_step(step + 1, metrics, baseline_state=baseline_state)  # eval, log, save when due
 
     run.finish(policy, tokenizer, run.eval_metrics)
 

@@ -294,7 +294,7 @@ def main(args: Args) -> None:
         metrics["reward/baseline"] = baselines.mean()
         run.log_completions(step + 1, [e["prompt"] for e in examples], [c.text for c in completions], rewards,
                             reward_parts, advantages)
-        run.end_step(step + 1, metrics)  # eval, log, checkpoint when due
+        run.end_step(step + 1, metrics)  # eval, log, save when due
 
     run.finish(policy, tokenizer, run.eval_metrics)
 

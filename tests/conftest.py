@@ -65,7 +65,9 @@ GPU_SHARE = 0.08
 def logprob_tolerance(args) -> float:
     """vLLM's and the trainer's log-probs of the same tokens agree to ~1e-5 in float32 and
     to ~1e-2 in bfloat16, the default precision on CUDA."""
-    bf16 = args.precision == "bf16" or (args.precision == "auto" and torch.cuda.is_available())
+    from common.setup import Precision
+
+    bf16 = Precision.of(args, "cuda" if torch.cuda.is_available() else "cpu").autocast_dtype is not None
     return 0.1 if bf16 else 1e-3
 
 
@@ -84,15 +86,14 @@ def run_main(llm, monkeypatch):
     parsed as its __main__ parses it; returns the parsed arguments. A new engine costs
     seconds, so runs share one: the session's on the tiny model, or the `engine` given for
     another model. main() syncs its policy into the engine first, as into a fresh one."""
-    import importlib
-
-    from common.engine import create_engine
     from common.args import parse_args
+    from common.engine import create_engine
+    from common.scripts import load_script
 
     monkeypatch.chdir(ROOT)  # the scripts' default model is a relative path
 
     def run(script: str, *flags, engine=None):
-        module = importlib.import_module(script.removesuffix(".py"))
+        module = load_script(script)
         args = parse_args(module.Args, [str(f) for f in flags])
         if engine is None and os.path.isdir(args.model) and os.path.samefile(args.model, TINY_MODEL):
             engine = llm

@@ -256,6 +256,22 @@ def test_resume_continues_the_run_and_carries_its_start(tmp_path, run_main, caps
     assert (out / "curves.png").exists()  # removed with what the run wrote after step 1, then drawn again
 
 
+def test_resume_restores_the_algorithms_own_state(tmp_path, run_main):
+    """An algorithm's state beyond the optimizer (REINFORCE's moving-average baseline) goes into the
+    checkpoint and comes back: step 2's baseline is step 1's carried state (the moving average uses
+    past batches only), so the resumed step 2 logs the uninterrupted run's value, not its own batch mean."""
+    flags = ["--baseline", "moving-average", "--prompts-per-step", "4", "--completions-per-prompt", "4",
+             "--micro-batch-size", "8", "--max-new-tokens", "10", "--eval-every", "0"]
+    out = tmp_path / "run"
+    run_main("reinforce.py", "--steps", "2", "--save-every", "1", "--output-dir", out, *flags)
+    again = tmp_path / "again"
+    run_main("reinforce.py", "--resume", out / "checkpoints" / "step_1", "--output-dir", again)
+    first, resumed = read_metrics(out)[2], read_metrics(again)[0]
+    assert resumed["step"] == 2
+    assert resumed["reward/baseline"] == pytest.approx(first["reward/baseline"], rel=1e-6)
+    assert resumed["reward/baseline"] != pytest.approx(resumed["reward/mean"])  # not this batch's own mean
+
+
 def test_sigint_in_process_saves_and_exits_130(tmp_path, run_main, monkeypatch, capsys):
     """The first Ctrl-C finishes the step, saves, and exits 130 (not 0: the run did not finish)."""
     from common.engine import sync_weights
