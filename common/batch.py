@@ -22,15 +22,15 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     at its column P + j - 1.
 
     Padding costs as much compute as real tokens, and the G completions of a prompt repeat
-    it. So when it is cheaper (see pays_to_pack), the micro-batch runs as one packed row
-    (pack): each distinct prompt once, then each of its completions (but its last token,
-    which scores nothing), no padding, and an attention mask that lets a completion see
-    only its own prompt and its own earlier tokens; position ids restart with each prompt
-    and go on through each completion, as in vLLM. The same function of the weights as the
-    padded batch (autograd sums a shared prompt's gradient over its completions). Otherwise
-    the padded batch runs as it is; position ids count real tokens only, so left padding
-    does not shift positions. Either way only the N scoring rows go through the output
-    layer (logits_to_keep)."""
+    it. So when it is cheaper (see pays_to_pack) and allowed (see pack: the mask's memory,
+    sliding windows), the micro-batch runs as one packed row: each distinct prompt once, then
+    each of its completions (but its last token, which scores nothing), no padding, and an
+    attention mask that lets a completion see only its own prompt and its own earlier tokens;
+    position ids restart with each prompt and go on through each completion, as in vLLM. The
+    same function of the weights as the padded batch (autograd sums a shared prompt's gradient
+    over its completions). Otherwise the padded batch runs as it is; position ids count real
+    tokens only, so left padding does not shift positions. Either way only the N scoring rows
+    go through the output layer (logits_to_keep)."""
     C = num_completion_tokens
     packed = pack(model, input_ids, attention_mask, C)
     if packed is not None:
@@ -45,13 +45,21 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 def pack(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int):
     """The micro-batch as one row (see completion_logits): (input_ids [1, L], position_ids [1, L],
     attention mask [1, 1, L, L], keep [N]: the column of the logit that scores each real
-    completion token, in row-major order); None if packing does not pay (pays_to_pack) or
-    the model's attention takes no custom mask (only transformers' sdpa and eager do)."""
+    completion token, in row-major order), all on input_ids' device; None if packing does not
+    pay (pays_to_pack), its mask would take more than MAX_PACKED_MASK_BYTES, the model's
+    attention takes no custom mask (only transformers' sdpa and eager do) or a row is longer
+    than the model's attention window (attention_window)."""
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
     C = num_completion_tokens
     P = input_ids.shape[1] - C
     if attention not in ("sdpa", "eager") or P < 1:
         return None
+    # transformers applies no sliding window to a custom mask: a row longer than the window would
+    # see tokens that the padded batch (and vLLM) hide from it
+    window = attention_window(model.config)
+    if window is not None and attention_mask.sum(1).max() > window:
+        return None
+    device = input_ids.device  # every piece is made there: no L x L copy from the CPU per pass
     prompts, group = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], dim=1), dim=0,
                                   return_inverse=True)
     real = attention_mask.bool()
@@ -63,24 +71,57 @@ def pack(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_compl
         last = n - 1  # the prompt's last token: its logit scores each completion's first token
         for i in (group == g).nonzero().flatten().tolist():
             completion = input_ids[i, P:][real[i, P:]]
-            keep[i] = n - 1 + torch.arange(len(completion))  # token j > 0 is scored at token j - 1's column
+            # token j > 0 is scored at token j - 1's column
+            keep[i] = n - 1 + torch.arange(len(completion), device=device)
             keep[i][:1] = last
             pieces.append((completion[:-1], len(prompt), i, g))  # its last token scores nothing
             n += len(completion[:-1])
     L = n  # the packed row's length
-    if not pays_to_pack(L, input_ids.numel(), input_ids.shape[1], model.config.hidden_size):
+    if packed_mask_bytes(L, attention) > MAX_PACKED_MASK_BYTES or \
+            not pays_to_pack(L, input_ids.numel(), input_ids.shape[1], model.config.hidden_size):
         return None
     ids = torch.cat([tokens for tokens, _, _, _ in pieces])
-    position_ids = torch.cat([first + torch.arange(len(tokens)) for tokens, first, _, _ in pieces])
-    row = torch.cat([torch.full((len(tokens),), r) for tokens, _, r, _ in pieces])
-    group_of = torch.cat([torch.full((len(tokens),), g) for tokens, _, _, g in pieces])
+    position_ids = torch.cat([first + torch.arange(len(tokens), device=device) for tokens, first, _, _ in pieces])
+    row = torch.cat([torch.full((len(tokens),), r, device=device) for tokens, _, r, _ in pieces])
+    group_of = torch.cat([torch.full((len(tokens),), g, device=device) for tokens, _, _, g in pieces])
     # a token sees the earlier tokens of its own group that are its prompt or its own completion
-    mask = torch.ones(L, L, dtype=torch.bool).tril_() & (group_of[:, None] == group_of[None, :]) & \
+    mask = torch.ones(L, L, dtype=torch.bool, device=device).tril_() & (group_of[:, None] == group_of[None, :]) & \
         ((row[None, :] == -1) | (row[:, None] == row[None, :]))
     if attention == "eager":  # eager attention adds its mask to the scores
-        mask = torch.zeros(L, L).masked_fill_(~mask, float("-inf"))
-    device = input_ids.device
-    return ids[None].to(device), position_ids[None].to(device), mask[None, None].to(device), torch.cat(keep).to(device)
+        mask = torch.zeros(L, L, dtype=MASK_DTYPE["eager"], device=device).masked_fill_(~mask, float("-inf"))
+    return ids[None], position_ids[None], mask[None, None], torch.cat(keep)
+
+
+# A packed row's mask is L x L, the one tensor of a packed pass that grows as L^2, and sdpa
+# turns it into a float copy in the compute dtype for each layer, kept for the backward pass
+# unless gradient checkpointing is on (seen on CPU: 2 bytes an entry in bf16). The bound, 64 MiB
+# (L = 8192 under sdpa, 4096 under eager), keeps that under 64 MiB + 128 MiB a layer. It seldom
+# costs speed: past a few thousand tokens packing's quadratic attention eats its savings (in the
+# GPU recipe, Qwen2.5-0.5B with 16 rows of <= ~200 + 512 tokens, pays_to_pack stops at L ~ 6k).
+MASK_DTYPE = {"sdpa": torch.bool, "eager": torch.float32}
+MAX_PACKED_MASK_BYTES = 64 * 2**20
+
+
+def packed_mask_bytes(packed_len: int, attention: str) -> int:
+    """Bytes of the attention mask of a packed row of packed_len tokens under attention ("sdpa"
+    or "eager")."""
+    return packed_len * packed_len * MASK_DTYPE[attention].itemsize
+
+
+def attention_window(config) -> int | None:
+    """The longest row every layer of the model attends to in full: its smallest sliding window
+    (a token sees itself and the window - 1 tokens before it) or attention chunk; None if every
+    layer sees the whole row. transformers marks such layers in config.layer_types (Gemma 2/3,
+    Qwen2/3 with use_sliding_window past max_window_layers, Llama 4's chunks); configs without
+    layer_types (Mistral, Mixtral, Phi-3, Starcoder2) slide every layer when sliding_window is set."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(config, "layer_types", None)
+    windows = []
+    if layer_types is None or any("sliding" in t for t in layer_types):
+        windows.append(getattr(config, "sliding_window", None))
+    if layer_types is not None and "chunked_attention" in layer_types:
+        windows.append(getattr(config, "attention_chunk_size", None))
+    return min((w for w in windows if w is not None), default=None)
 
 
 def pays_to_pack(packed_len: int, padded_tokens: int, padded_len: int, hidden_size: int) -> bool:

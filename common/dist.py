@@ -13,7 +13,10 @@ the global counts, so the ranks' losses add up to the one-process loss). Metrics
 over ranks and logged once, by rank 0, which also evaluates and writes the run folder.
 
 The process group must exist before vLLM is created: an in-process engine otherwise makes
-torch.distributed a world of size 1 of its own.
+torch.distributed a world of size 1 of its own. On CUDA it is one group with two backends
+(`backend`): NCCL for CUDA tensors (FSDP2's gathers and reductions, the loss normalizers) and gloo
+for CPU ones (the metrics, the signal flags, the pickled objects of `broadcast` and
+`all_gather_objects`); NCCL alone raises on a CPU tensor.
 """
 
 from __future__ import annotations
@@ -28,17 +31,31 @@ import torch.distributed as tdist
 from common.ops import masked_mean
 
 
+def backend(device_type: str) -> str:
+    """The process group's backend on a compute device: on CUDA, NCCL for CUDA tensors and gloo for
+    the CPU tensors some collectives carry (metrics, signal flags, objects); gloo alone on CPU."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+def served(name: str) -> set[str]:
+    """The device types whose tensors a group created with backend name takes, as torch reads it:
+    "nccl" {"cuda"}, "gloo" {"cpu", "cuda"}, "cpu:gloo,cuda:nccl" {"cpu", "cuda"}."""
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    return set(BackendConfig(tdist.Backend(name)).get_device_backend_map())
+
+
 def init() -> str:
-    """Join torchrun's process group (nccl on CUDA, gloo on CPU); returns the device. Without
-    torchrun (WORLD_SIZE unset or 1) nothing happens."""
-    cuda = torch.cuda.is_available()
+    """Join torchrun's process group (`backend`); returns the device. Without torchrun (WORLD_SIZE
+    unset or 1) nothing happens."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not tdist.is_initialized():
-        if cuda:
+        if device == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # the rank's GPU, also for its vLLM engine
-        tdist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=30))
+        tdist.init_process_group(backend(device), timeout=datetime.timedelta(minutes=30))
         if tdist.get_rank() > 0:
             sys.stdout = open(os.devnull, "w")  # rank 0 speaks for the job; errors (stderr) from every rank
-    return "cuda" if cuda else "cpu"
+    return device
 
 
 def world_size() -> int:

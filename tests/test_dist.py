@@ -6,6 +6,7 @@ which is minutes on 2 cores; the tests below read what it left."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from common import dist
 from common.scripts import algorithm_scripts, load_script
 from tests.conftest import ROOT, TINY_MODEL, read_optimizer_state
 from tests.test_grpo_e2e import STEP_METRICS, read_metrics
@@ -31,16 +33,17 @@ def small(script: str) -> list[str]:
     return SMALL if hasattr(load_script(script).Args, "num_minibatches") else SMALL[2:]
 
 
-def torchrun(*args, **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+def torchrun(*args, **env) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env}
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *map(str, args)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     """One torchrun launch of 2 processes: grpo and ppo 2 steps with checkpoints and a resume to
-    step 3, the other scripts 1 step, and a long grpo run that a SIGTERM to rank 1 alone stops."""
+    step 3, the other scripts 1 step, and a long grpo run that a SIGTERM to rank 1 alone stops.
+    Each rank records the collectives it calls (tests/dist_runner.py)."""
     tmp = tmp_path_factory.mktemp("dist")
     runs = [["grpo.py", "--steps", "2", "--save-every", "1", "--output-dir", tmp / "grpo", *SMALL],
             ["grpo.py", "--steps", "3", "--resume", tmp / "grpo" / "checkpoints" / "step_1"],
@@ -52,7 +55,7 @@ def launch(tmp_path_factory):
             ["grpo.py", "--steps", "1000", "--save-every", "0", "--output-dir", tmp / "stopped", *SMALL]]
     spec = tmp / "runs.json"
     spec.write_text(json.dumps([[str(x) for x in run] for run in runs]))
-    proc = torchrun("tests/dist_runner.py", spec)
+    proc = torchrun("tests/dist_runner.py", spec, RECORD_COLLECTIVES=str(tmp))
     wait_for_steps(proc, tmp / "stopped", 1, timeout_s=1800)  # the long run's first step
     os.kill(int((tmp / "pid_1").read_text()), signal.SIGTERM)  # rank 1 only
     signalled_at = read_metrics(tmp / "stopped")[-1]["step"]
@@ -124,6 +127,42 @@ def test_a_sigterm_to_one_rank_stops_every_rank_after_the_same_step_with_one_che
     assert sorted(os.listdir(out / "checkpoints" / f"step_{last}" / "optimizer"))[1:] == ["__0_0.distcp",
                                                                                          "__1_0.distcp"]
     assert "saved checkpoint" in launch["output"] and "SIGTERM: finishing this step" in launch["output"]
+
+
+# what the launch must have called, as "op via callers" (tests/dist_runner.py's record)
+COLLECTIVES_SEEN = {
+    "metrics": r"^all_reduce .*common/dist.py:mean_over_ranks",
+    "signal flags": r"^all_gather .*common/interrupt.py:GracefulInterrupt.stop",
+    "loss normalizers": r"^all_reduce .*common/dist.py:minibatch_totals",
+    "a batch-mean baseline": r"^all_reduce .*common/dist.py:global_mean",
+    "whitening": r"^all_reduce .*common/dist.py:global_masked_mean",
+    "DAPO's pooled groups": r"^all_gather_object .*common/dist.py:all_gather_objects dapo.py:main",
+    "the evaluation, rank 0's": r"^broadcast_object_list .*common/dist.py:on_main common/engine.py:evaluate",
+    "the run folder, rank 0's": r"^broadcast_object_list .*common/dist.py:on_main common/run.py:Run.__init__",
+    "checkpoint barriers": r"^barrier .*common/dist.py:barrier common/run.py:Run.save_checkpoint",
+    "optimizer shards saved": r"^\w+ torch/distributed/checkpoint/.*common/run.py:Run.save_checkpoint",
+    "optimizer shards loaded": r"^\w+ torch/distributed/checkpoint/.*common/run.py:Run.load_checkpoint",
+    "FSDP2's gathers": r"^all_gather\w* torch/distributed/fsdp/",
+    "FSDP2's gradient reductions": r"^reduce_scatter\w* torch/distributed/fsdp/",
+    "whole weights (for vLLM, checkpoints)": r"^funcol.all_gather\w* torch/distributed/tensor/.*common/dist.py:full_",
+}
+
+
+def test_every_collective_is_handed_tensors_the_cuda_process_group_takes(launch):
+    """On CUDA the process group is created as dist.backend("cuda"): every tensor handed to a
+    collective, by the scripts, common/ or torch (FSDP2, DTensor, torch.distributed.checkpoint:
+    on the compute device), must be on a device type it serves. A plain "nccl" group takes only
+    CUDA tensors; the metrics and the signal flags are CPU tensors on every device. Here on CPU
+    every tensor is a CPU tensor, so against "nccl" every collective fails, those included; under
+    the same recorder on GPUs, only the CPU tensors would."""
+    calls = [c for rank in (0, 1) for c in json.loads((launch["tmp"] / f"collectives_{rank}.json").read_text())]
+    where = [f'{c["op"]} {c["via"]} {" ".join(c["callers"])}' for c in calls]
+    missing = [what for what, pattern in COLLECTIVES_SEEN.items() if not any(re.search(pattern, w) for w in where)]
+    assert not missing, f"{missing} not among:\n" + "\n".join(sorted(set(where)))
+    served = dist.served(dist.backend("cuda"))
+    unserved = sorted({" < ".join([f'{c["op"]} on {c["devices"]}', *c["callers"][:2]] if c["callers"] else [w])
+                       for c, w in zip(calls, where) if not set(c["devices"]) <= served})
+    assert not unserved, f"a {dist.backend('cuda')!r} group takes {sorted(served)} only:\n" + "\n".join(unserved)
 
 
 def test_a_two_process_checkpoint_resumes_in_one_process(launch, run_main, tmp_path):

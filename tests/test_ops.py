@@ -78,6 +78,14 @@ def test_position_shift_on_hand_made_sequence():
     assert (forward_logprobs(Counter(), wrong, torch.ones_like(wrong), 3)[0, 1:] < -40).all()
 
 
+def packable_rollout(tokenizer):
+    """Two groups with prompts and completions of different lengths and an empty completion:
+    prompts and completions, token ids."""
+    prompts = [tokenizer("sort 52813:")["input_ids"]] * 3 + [tokenizer("sort 91:")["input_ids"]] * 2
+    completions = [tokenizer(s)["input_ids"] for s in ["12358", "1", "853", "19", ""]]
+    return prompts, completions
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_packed_row_gives_the_padded_batch_log_probs_and_gradient(tokenizer, monkeypatch, attention):
     """A micro-batch packed into one row (each prompt once, no padding, a mask that lets a
@@ -90,8 +98,7 @@ def test_packed_row_gives_the_padded_batch_log_probs_and_gradient(tokenizer, mon
     from tests.conftest import TINY_MODEL
 
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL, attn_implementation=attention)
-    prompts = [tokenizer("sort 52813:")["input_ids"]] * 3 + [tokenizer("sort 91:")["input_ids"]] * 2
-    completions = [tokenizer(s)["input_ids"] for s in ["12358", "1", "853", "19", ""]]
+    prompts, completions = packable_rollout(tokenizer)
     input_ids, attention_mask, completion_mask = make_batch(prompts, completions, tokenizer.pad_token_id, "cpu")
     C = completion_mask.shape[1]
     weights = torch.linspace(-1.0, 2.0, C)
@@ -123,6 +130,150 @@ def test_packing_pays_for_short_rows_not_for_long_ones():
     assert pays_to_pack(440, 8 * 95, 95, 576)
     assert not pays_to_pack(17_000, 16 * 1200, 1200, 1536)
     assert not pays_to_pack(100, 100, 100, 576)  # nothing to save: a row with no padding
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_micro_batch_whose_packed_mask_exceeds_the_memory_bound_runs_padded(tokenizer, monkeypatch, attention):
+    """The packed row's L x L mask takes packed_mask_bytes (10^8 bytes at L = 10k under sdpa,
+    4 x 10^8 as eager's floats); a micro-batch whose mask would take more than
+    MAX_PACKED_MASK_BYTES runs padded, even where packing would pay."""
+    import common.batch
+    from transformers import AutoModelForCausalLM
+
+    from common.batch import pack, packed_mask_bytes
+    from tests.conftest import TINY_MODEL
+
+    assert packed_mask_bytes(10_000, "sdpa") == 10**8 and packed_mask_bytes(10_000, "eager") == 4 * 10**8
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL, attn_implementation=attention)
+    prompts, completions = packable_rollout(tokenizer)
+    input_ids, attention_mask, completion_mask = make_batch(prompts, completions, tokenizer.pad_token_id, "cpu")
+    C = completion_mask.shape[1]
+    monkeypatch.setattr(common.batch, "pays_to_pack", lambda *args: True)
+    ids, _, mask, _ = pack(model, input_ids, attention_mask, C)
+    L = ids.shape[1]
+    assert mask.nbytes == packed_mask_bytes(L, attention)
+
+    def packs(bound):
+        monkeypatch.setattr(common.batch, "MAX_PACKED_MASK_BYTES", bound)
+        return pack(model, input_ids, attention_mask, C) is not None
+
+    assert packs(packed_mask_bytes(L, attention)) and not packs(packed_mask_bytes(L, attention) - 1)
+    batch_shapes = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: batch_shapes.append(i[0].shape))
+    with torch.no_grad():
+        forward_logprobs(model, input_ids, attention_mask, C)
+    hook.remove()
+    assert batch_shapes == [input_ids.shape]  # the padded batch
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_the_packed_row_is_made_on_the_inputs_device(tokenizer, attention):
+    """pack makes every tensor on input_ids' device, the L x L mask included (none made on the
+    CPU and copied per pass): with the default device elsewhere ("meta"), a tensor made without
+    naming the device would land there and the packed row of CPU inputs would not be on the CPU
+    (or the copy back would fail)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from common.batch import pack
+    from tests.conftest import TINY_MODEL
+
+    model = SimpleNamespace(config=AutoConfig.from_pretrained(TINY_MODEL, attn_implementation=attention))
+    prompts, completions = packable_rollout(tokenizer)
+    input_ids, attention_mask, completion_mask = make_batch(prompts, completions, tokenizer.pad_token_id, "cpu")
+    C = completion_mask.shape[1]
+    expected = pack(model, input_ids, attention_mask, C)
+    with torch.device("meta"):
+        packed = pack(model, input_ids, attention_mask, C)
+    for got, want in zip(packed, expected, strict=True):
+        assert got.device == input_ids.device
+        assert torch.equal(got, want)
+
+
+def sliding_window_model(architecture: str, attention: str, window: int | None):
+    """A random two-layer model whose attention slides over `window` tokens: Qwen2 with
+    use_sliding_window (the first layer full, max_window_layers = 1, the second sliding) or
+    Mistral (every layer sliding)."""
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, initializer_range=0.2)
+    if architecture == "qwen2":
+        config = Qwen2Config(**sizes, use_sliding_window=True, sliding_window=window, max_window_layers=1)
+    else:
+        config = MistralConfig(**sizes, sliding_window=window)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("architecture", ["qwen2", "mistral"])
+def test_packing_keeps_the_sliding_window(monkeypatch, architecture, attention):
+    """transformers applies no sliding window to a custom 4-D mask, so a packed row would let a
+    token see further back than the window. A micro-batch with a row (prompt + completion) longer
+    than the window runs padded; one whose rows all fit the window still packs, into a row longer
+    than the window. Either way each completion gets the log-probs of its sequence run alone."""
+    import common.batch
+    from common.batch import pack
+
+    window = 4
+    model = sliding_window_model(architecture, attention, window)
+    monkeypatch.setattr(common.batch, "pays_to_pack", lambda *args: True)
+    g = torch.Generator().manual_seed(0)
+
+    def tokens(n):
+        return torch.randint(2, 64, (n,), generator=g).tolist()
+
+    def group(prompt_len, completion_lens):
+        prompt = tokens(prompt_len)
+        return [prompt] * len(completion_lens), [tokens(n) for n in completion_lens]
+
+    long_rows = [group(3, [4, 1, 6]), group(5, [2, 7])]  # rows of up to 12 tokens
+    short_rows = [group(2, [2, 2, 1]), group(3, [1, 1])]  # rows of up to 4 tokens: the window
+    for groups, packs in ((long_rows, False), (short_rows, True)):
+        prompts, completions = [sum(lists, []) for lists in zip(*groups)]
+        input_ids, attention_mask, completion_mask = make_batch(prompts, completions, 0, "cpu")
+        C = completion_mask.shape[1]
+        with torch.no_grad():
+            logprobs = forward_logprobs(model, input_ids, attention_mask, C)
+        for row, (p, c) in enumerate(zip(prompts, completions)):
+            torch.testing.assert_close(logprobs[row, :len(c)], reference_logprobs(model, p + c, len(c), 1.0),
+                                       atol=1e-5, rtol=1e-5)
+        packed = pack(model, input_ids, attention_mask, C)
+        assert (packed is not None) == packs
+        if packs:
+            assert packed[0].shape[1] > window
+    # the window matters to the long rows: the same weights attending to everything score them otherwise
+    full = sliding_window_model(architecture, attention, window=None)
+    p, c = long_rows[1][0][1], long_rows[1][1][1]  # 12 tokens
+    windowed, unwindowed = (reference_logprobs(m, p + c, len(c), 1.0) for m in (model, full))
+    assert not torch.allclose(windowed, unwindowed, atol=1e-3)
+
+
+def test_attention_window_of_transformers_configs():
+    """attention_window reads the smallest window or chunk of a model's layers from its config,
+    None where every layer sees the whole row."""
+    from transformers import (AutoConfig, Gemma2Config, Gemma3Config, Llama4Config, LlamaConfig, MistralConfig,
+                              Qwen2Config)
+
+    from common.batch import attention_window
+    from tests.conftest import TINY_MODEL
+
+    assert attention_window(AutoConfig.from_pretrained(TINY_MODEL)) is None
+    for architecture in ("qwen2", "mistral"):
+        assert attention_window(sliding_window_model(architecture, "sdpa", 4).config) == 4
+    assert attention_window(LlamaConfig()) is None
+    assert attention_window(Qwen2Config(sliding_window=64)) is None  # use_sliding_window is off
+    # on, but only from layer max_window_layers on: none of 4 layers, or the last 2
+    assert attention_window(Qwen2Config(use_sliding_window=True, sliding_window=64, num_hidden_layers=4)) is None
+    assert attention_window(Qwen2Config(use_sliding_window=True, sliding_window=64, num_hidden_layers=4,
+                                        max_window_layers=2)) == 64
+    assert attention_window(MistralConfig(sliding_window=4096)) == 4096  # no layer_types: every layer
+    assert attention_window(MistralConfig(sliding_window=None)) is None
+    assert attention_window(Gemma2Config(sliding_window=4096)) == 4096  # every other layer
+    assert attention_window(Gemma3Config(text_config={"sliding_window": 512})) == 512  # its text model's
+    assert attention_window(Llama4Config(text_config={"attention_chunk_size": 2048})) == 2048  # chunked layers
 
 
 def test_batched_logprobs_equal_single_pass(tiny_policy, tokenizer):
