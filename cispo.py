@@ -131,6 +131,9 @@ class Args:
     """trainer weight dtype: float32 keeps fp32 master weights and AdamW state; bfloat16 halves
     them but rounds away updates smaller than ~1/256 of a weight (small learning rates are lost)"""
     gradient_checkpointing: bool = False
+    engine: Literal["vllm", "transformers"] = "vllm"
+    """rollout engine: vllm, or transformers (the policy samples itself, no vLLM needed: macOS, Windows,
+    a GPU without a vLLM build; slower)"""
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (weights + KV cache)"""
     vllm_sleep: bool = True

@@ -27,12 +27,27 @@ Not in the peak: vLLM (its weights and KV cache, --vllm-gpu-memory-utilization o
 real run) and the frozen reference model (loaded when --kl-coef > 0; with LoRA it is the same
 model with adapters off). Add those to the numbers here.
 
-On a GPU machine, from the repository root (needs torch, transformers, optionally peft):
+Then three more checks (--checks picks them):
+
+    process_group   a one-GPU process group created as common/dist.py creates it (dist.backend:
+                    NCCL for CUDA tensors, gloo for CPU ones), every kind of collective the
+                    scripts hand it (CPU metrics and signal flags, device sums and gathers,
+                    pickled objects, barriers), and dist.shard (FSDP2) of the model with one update
+    scripts         grpo.py and ppo.py end to end with --engine transformers (no vLLM): on the
+                    bundled tiny model (--script-steps steps: does it learn?) and on a random
+                    model of --config (3 steps: step time, memory, log-prob mismatch), under the
+                    scripts' own defaults for the device (bf16 on CUDA)
+    packing         the bytes of a packed micro-batch's attention mask at these sizes, against
+                    common/batch.py's bound
+
+On a GPU machine, from the repository root (needs torch, transformers, optionally peft; about
+5 minutes on one H200 by the estimate in README.md, not yet measured):
 
     python benchmarks/gpu_check.py --json gpu_check.json
 
 The defaults are the README's GPU recipe: micro-batch 16, 512 tokens (128 prompt + 384
 completion). On CPU, at toy size: python benchmarks/gpu_check.py --config tiny --device cpu
+--script-steps 2 ... (tests/test_gpu_check.py)
 """
 
 import argparse
@@ -40,21 +55,34 @@ import datetime
 import gc
 import json
 import math
+import os
 import platform
 import resource
+import shutil
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
+ROOT = Path(__file__).resolve().parent.parent
+# the repository root, and the pure-Python packages the scripts need beyond torch, transformers
+# and peft (tyro and its two dependencies), where benchmarks/gpu_deps.sh put them for a bare GPU machine
+SITE = [str(ROOT), *[str(p) for p in [ROOT / ".gpu_deps"] if p.is_dir()]]
+sys.path[:0] = SITE
 
 import torch  # noqa: E402
+import torch.distributed as tdist  # noqa: E402
 import transformers  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-# common.ops needs only torch; the scripts themselves are not imported (they import vLLM)
-from common.batch import make_batch  # noqa: E402
-from common.ops import aggregate, batched_logprobs, forward_logprobs, masked_mean  # noqa: E402
+# the scripts import vLLM only for --engine vllm: their own loss runs here
+import grpo  # noqa: E402
+from common import dist  # noqa: E402
+from common.batch import MAX_PACKED_MASK_BYTES, make_batch, packed_mask_bytes  # noqa: E402
+from common.ops import batched_logprobs, forward_logprobs, masked_mean  # noqa: E402
 
 try:
     import peft
@@ -93,14 +121,13 @@ PAD_TOKEN_ID = 0  # make_batch finds padding by position, so the id does not mat
 SEED = 0
 
 
+GRPO_ARGS = grpo.Args(eps_low=EPS_LOW, eps_high=EPS_HIGH, loss_agg=LOSS_AGG, kl_coef=0.0)
+
+
 def grpo_loss(logprobs, old_logprobs, advantages, mask, num_tokens, num_seqs):
-    """Mirrors grpo.compute_loss (the clipped surrogate, aggregated over the minibatch) without
-    its KL term: no reference model is held here. Written out because grpo.py imports vLLM."""
-    A = advantages.unsqueeze(1)
-    ratio = torch.exp(logprobs - old_logprobs)
-    clipped_ratio = torch.clamp(ratio, 1 - EPS_LOW, 1 + EPS_HIGH)
-    per_token = -torch.min(ratio * A, clipped_ratio * A)
-    return aggregate(per_token, mask, LOSS_AGG, num_tokens, num_seqs)
+    """grpo.compute_loss (the clipped surrogate, aggregated over the minibatch) without its KL
+    term (no reference model is held here) and without importance weights (no vLLM)."""
+    return grpo.compute_loss(logprobs, old_logprobs, None, advantages, 1.0, mask, GRPO_ARGS, num_tokens, num_seqs)[0]
 
 
 def rollout_batch(vocab_size: int, batch_size: int, prompt_len: int, completion_len: int, device):
@@ -236,6 +263,165 @@ def run_variant(name: str, args, device: torch.device) -> dict:
     return result
 
 
+# ---------------------------------------------------------------------------------------
+# process_group: the collectives the scripts make, on a group made as common/dist.py makes it
+# ---------------------------------------------------------------------------------------
+
+def check_process_group(args, device: torch.device) -> dict:
+    """A one-process group with dist.backend(device) (a GPU takes one NCCL rank), each kind of
+    collective common/dist.py and common/interrupt.py hand it, then dist.shard (FSDP2) of the
+    --config model and one update through it. {name: "ok" or the error}, and "status"."""
+    results = {}
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            tdist.init_process_group(dist.backend(device.type), init_method=f"file://{folder}/rendezvous",
+                                     rank=0, world_size=1)
+        except Exception as e:  # noqa: BLE001 - a backend this torch or device lacks
+            return {"backend": dist.backend(device.type), "status": f"FAILED: {type(e).__name__}: {e}"}
+        try:
+            collectives = {  # what each carries in the scripts (tests/test_dist.py records them on CPU)
+                "all_reduce of CPU float64 (metrics: mean_over_ranks)":
+                    lambda: tdist.all_reduce(torch.ones(3, dtype=torch.float64)),
+                "all_gather of CPU int64 (signal flags: GracefulInterrupt.stop)":
+                    lambda: tdist.all_gather([torch.zeros(1, dtype=torch.long)], torch.ones(1, dtype=torch.long)),
+                "all_reduce of device float64 (normalizers, baselines: all_sum)":
+                    lambda: tdist.all_reduce(torch.ones(2, dtype=torch.float64, device=device)),
+                "all_gather of device float32 (rewards: all_gather)":
+                    lambda: tdist.all_gather([torch.zeros(4, device=device)], torch.ones(4, device=device)),
+                "all_gather_object (DAPO's kept groups)": lambda: tdist.all_gather_object([None], [1, "a"]),
+                "broadcast_object_list (evaluation: on_main)": lambda: tdist.broadcast_object_list([{"a": 1}], src=0),
+                "barrier (checkpoints)": tdist.barrier,
+                "FSDP2 shard and one update": lambda: sharded_update(args, device),
+            }
+            for name, collective in collectives.items():
+                try:
+                    collective()
+                    results[name] = "ok"
+                except Exception as e:  # noqa: BLE001 - each is reported, the others still run
+                    results[name] = f"FAILED: {type(e).__name__}: {e}"
+        finally:
+            tdist.destroy_process_group()
+    failed = [k for k, v in results.items() if v != "ok"]
+    return {"backend": dist.backend(device.type), **results,
+            "status": "FAILED: " + "; ".join(failed) if failed else "ok"}
+
+
+def sharded_update(args, device: torch.device) -> None:
+    """dist.shard of the --config model (a one-process run leaves its model unsharded: the world
+    size is made 2 for the call, the mesh is the group's one rank) and one update through it."""
+    torch.manual_seed(SEED)
+    model = build_model(args.config, device, lora=False, gradient_checkpointing=False)
+    with mock.patch.object(dist, "world_size", lambda: 2):
+        model = dist.shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    input_ids, attention_mask, completion_mask, advantages = rollout_batch(
+        model.config.vocab_size, args.micro_batch_size, args.prompt_len, args.completion_len, device)
+    C = completion_mask.shape[1]
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        logprobs = forward_logprobs(model, input_ids, attention_mask, C, TEMPERATURE)
+    loss = grpo_loss(logprobs, logprobs.detach(), advantages, completion_mask, completion_mask.sum(),
+                     len(input_ids))
+    loss.backward()
+    before = {n: dist.full_tensor(p).detach().clone() for n, p in model.named_parameters()}
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+    optimizer.step()
+    assert math.isfinite(float(dist.full_tensor(grad_norm))), "gradient norm not finite"
+    moved = sum(not torch.equal(before[n], dist.full_tensor(p)) for n, p in model.named_parameters())
+    assert moved == len(before), f"the update moved {moved} of {len(before)} sharded weights"
+    del model, optimizer
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------
+# scripts: grpo.py and ppo.py end to end, --engine transformers
+# ---------------------------------------------------------------------------------------
+
+def random_model(config_name: str, folder: Path) -> str:
+    """A randomly initialized model of --config saved with the bundled tokenizer (nothing is
+    downloaded; token ids past the tokenizer's vocabulary decode to nothing): memory and time
+    as the real model's, rewards 0."""
+    torch.manual_seed(SEED)
+    model = Qwen2ForCausalLM(Qwen2Config(**CONFIGS[config_name], eos_token_id=1, pad_token_id=0))
+    model.save_pretrained(folder)
+    for name in os.listdir(ROOT / "models" / "tiny-sort"):
+        if "token" in name or name.endswith((".jinja", ".txt")):  # the tokenizer's files, not its model
+            shutil.copy(ROOT / "models" / "tiny-sort" / name, folder / name)
+    return str(folder)
+
+
+def run_script(script: str, model: str, flags: list[str], folder: Path, learn: bool) -> dict:
+    """python SCRIPT --engine transformers ... as a user runs it; the numbers from its run folder."""
+    out = folder / f"{script[:-3]}-{Path(model).name}"
+    command = [sys.executable, script, "--engine", "transformers", "--model", model, "--output-dir", str(out),
+               "--save-every", "0", *flags]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(SITE + [os.environ.get("PYTHONPATH", "")])}
+    t0 = time.perf_counter()
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    result = {"script": script, "model": Path(model).name, "flags": flags, "wall_s": time.perf_counter() - t0,
+              "exit_code": proc.returncode}
+    if proc.returncode != 0:
+        return {**result, "status": f"FAILED: exit {proc.returncode}: {proc.stderr.strip()[-1500:]}"}
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    steps = [r for r in rows if "time/step" in r]
+    evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    steady = [r for r in steps if r["step"] > 1] or steps  # the first step pays one-time costs
+    median = {k: statistics.median(r[k] for r in steady) for k in ("time/step", "time/rollout", "time/logprobs",
+                                                                    "time/train")}
+    result.update(steps=len(steps), first_step_s=steps[0]["time/step"], **{f"median_{k[5:]}_s": v
+                                                                           for k, v in median.items()},
+                  peak_memory_gib=max(r["memory/peak_gib"] for r in steps),
+                  logprob_mismatch=statistics.mean(r["rollout/logprob_mismatch"] for r in steps),
+                  accuracy_start=evals[0], accuracy_end=evals[-1],
+                  losses_finite=all(math.isfinite(v) for r in steps for k, v in r.items() if k.startswith("loss/")))
+    problems = [] if result["losses_finite"] else ["a loss is not finite"]
+    if learn and result["accuracy_end"] < result["accuracy_start"] + 0.25:
+        problems.append(f"did not learn: held-out accuracy {evals[0]:.2f} -> {evals[-1]:.2f}")
+    return {**result, "status": "FAILED: " + "; ".join(problems) if problems else "ok"}
+
+
+def check_scripts(args, device: torch.device) -> list[dict]:
+    """grpo.py and ppo.py with --engine transformers: the tiny model learns in --script-steps
+    steps (its defaults), a random --config model runs --script-steps-large steps at the
+    recipe's sizes (--prompt-len is the task's: sort prompts are short)."""
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        large = random_model(args.config, tmp / args.config)
+        learn = args.script_steps >= 10  # fewer steps (the CPU test's toy size) run small batches, unchecked
+        batch = ["--prompts-per-step", str(args.micro_batch_size), "--completions-per-prompt", "4",
+                 "--micro-batch-size", str(args.micro_batch_size)]
+        for script in ("grpo.py", "ppo.py"):
+            flags = ["--steps", str(args.script_steps), "--eval-every", "0", *([] if learn else batch)]
+            results.append(run_script(script, str(ROOT / "models" / "tiny-sort"), flags, tmp, learn))
+            print(describe_script(results[-1]), flush=True)
+            flags = ["--steps", str(args.script_steps_large), "--eval-every", "0", *batch,
+                     "--max-new-tokens", str(args.completion_len), "--lr", str(LR)]
+            results.append(run_script(script, large, flags, tmp, learn=False))
+            print(describe_script(results[-1]), flush=True)
+    return results
+
+
+def describe_script(r: dict) -> str:
+    if "steps" not in r:
+        return f"{r['script']:8s} {r['model']:14s} {r['status']}"
+    return (f"{r['script']:8s} {r['model']:14s} {r['steps']} steps, median step {r['median_step_s']:.2f} s "
+            f"(rollout {r['median_rollout_s']:.2f}, log-probs {r['median_logprobs_s']:.2f}, train "
+            f"{r['median_train_s']:.2f}; first {r['first_step_s']:.2f})  peak {r['peak_memory_gib']:.2f} GiB  "
+            f"mismatch {r['logprob_mismatch']:.1e}  accuracy {r['accuracy_start']:.2f} -> {r['accuracy_end']:.2f}  "
+            f"{r['status']}")
+
+
+def check_packing(args) -> dict:
+    """The packed attention mask's bytes for a micro-batch at these sizes (packed row <= micro-batch
+    x (prompt + completion) tokens), against common/batch.py's bound (above it, no packing)."""
+    L = args.micro_batch_size * (args.prompt_len + args.completion_len)
+    return {"packed_len": L, "bound_bytes": MAX_PACKED_MASK_BYTES,
+            **{f"{a}_mask_bytes": packed_mask_bytes(L, a) for a in ("sdpa", "eager")},
+            "status": "ok"}
+
+
 def describe(result: dict, device: torch.device) -> str:
     if "loss" not in result:
         return f"{result['variant']:8s} {result['status']}"
@@ -244,6 +430,9 @@ def describe(result: dict, device: torch.device) -> str:
             f"{result['peak_memory_gib']:6.2f} GiB  loss {result['loss']:+.5f}  grad norm {result['grad_norm']:.4f}  "
             f"entropy {result['entropy']:.2f}  trainable {result['trainable_params'] / 1e6:.2f}M  "
             f"changed {result['trainable_changed']}/{result['trainable_tensors']}  {result['status']}")
+
+
+CHECKS = ["update", "process_group", "scripts", "packing"]
 
 
 def parse_args(argv=None):
@@ -257,9 +446,14 @@ def parse_args(argv=None):
     p.add_argument("--completion-len", type=int, default=384, help="longest completion, tokens")
     p.add_argument("--updates", type=int, default=2, help="updates per variant; the numbers printed are the last one's")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--checks", nargs="+", choices=CHECKS, default=CHECKS, help="which checks run (default: all)")
+    p.add_argument("--script-steps", type=int, default=10, help="steps of the scripts on the tiny model (>= 10: "
+                   "learning is checked)")
+    p.add_argument("--script-steps-large", type=int, default=3, help="steps of the scripts on the --config model")
     p.add_argument("--json", metavar="PATH", help="also write the numbers, device and versions here")
     args = p.parse_args(argv)
-    for flag in ("micro_batch_size", "micro_batches", "prompt_len", "completion_len", "updates"):
+    for flag in ("micro_batch_size", "micro_batches", "prompt_len", "completion_len", "updates", "script_steps",
+                 "script_steps_large"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1")
     return args
@@ -278,16 +472,30 @@ def main(argv=None) -> int:
           f"{args.micro_batches} x {args.micro_batch_size} sequences of <= {args.prompt_len} prompt + "
           f"{args.completion_len} completion tokens, {args.updates} updates per variant")
 
-    results = []
-    for name in args.variants:
-        results.append(run_variant(name, args, device))
-        print(describe(results[-1], device), flush=True)
+    results, report = [], {}
+    if "update" in args.checks:
+        for name in args.variants:
+            results.append(run_variant(name, args, device))
+            print(describe(results[-1], device), flush=True)
+    if "process_group" in args.checks:
+        report["process_group"] = check_process_group(args, device)
+        print(f"process group ({report['process_group']['backend']}), collectives and FSDP2: "
+              f"{report['process_group']['status']}", flush=True)
+    if "scripts" in args.checks:
+        report["scripts"] = check_scripts(args, device)
+    if "packing" in args.checks:
+        report["packing"] = check_packing(args)
+        print(f"packed mask at {report['packing']['packed_len']} tokens: {report['packing']['sdpa_mask_bytes']:,} "
+              f"bytes (sdpa), bound {MAX_PACKED_MASK_BYTES:,}", flush=True)
 
     if args.json:
         report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "device": device_name, **versions, "args": vars(args), "variants": results}
+                  "device": device_name, **versions, "args": vars(args), "variants": results, **report}
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     failed = [r["variant"] for r in results if r["status"].startswith("FAILED")]
+    failed += [f"scripts: {r['script']} on {r['model']}" for r in report.get("scripts", [])
+               if r["status"].startswith("FAILED")]
+    failed += [name for name in ("process_group", "packing") if report.get(name, {}).get("status", "ok") != "ok"]
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

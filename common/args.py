@@ -4,6 +4,7 @@ from the checkpoint (which also says which script and run made it)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -18,7 +19,7 @@ from common.errors import ConfigError, RunError, need
 # Flags a resumed run may change (each change is printed). Every other flag defines the run
 # (model, task, seed, batch shape, optimizer, algorithm) and is restored from the checkpoint;
 # giving it again with another value is refused.
-RESUMABLE_CHANGES = ("steps", "eval_every", "save_every", "micro_batch_size", "gradient_checkpointing",
+RESUMABLE_CHANGES = ("steps", "eval_every", "save_every", "micro_batch_size", "gradient_checkpointing", "engine",
                      "vllm_gpu_memory_utilization", "vllm_cpu_kv_cache_gib", "vllm_sleep", "tensorboard", "track",
                      "wandb_project", "log_completions")
 
@@ -84,6 +85,8 @@ def check_args(args, max_context: int, max_prompt_len: int, min_completions: int
     need(args.eval_every >= 0, f"--eval-every must be >= 0 (0: only at start and end), got {args.eval_every}")
     need(args.save_every >= 0, f"--save-every must be >= 0 (0: only on Ctrl-C), got {args.save_every}")
     need(args.log_completions >= 0, f"--log-completions must be >= 0, got {args.log_completions}")
+    need(args.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
+         "vLLM is not installed here: run with --engine transformers (the policy samples itself), or install vLLM")
     need(args.vllm_cpu_kv_cache_gib >= 1, f"--vllm-cpu-kv-cache-gib must be >= 1, got {args.vllm_cpu_kv_cache_gib}")
     need(0 < args.vllm_gpu_memory_utilization <= 1,
          f"--vllm-gpu-memory-utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization}")

@@ -3,18 +3,25 @@ moving the trainer's weights into it, and greedy evaluation through it.
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by each script before
 vLLM is imported), so moving the trained weights into it is a plain in-memory copy.
+
+--engine transformers replaces vLLM where it does not install (macOS, Windows, a GPU
+without a vLLM build): TransformersEngine samples from the trainer's policy itself with the
+same calls (create_engine, llm.generate, awake, sync_weights) and outputs, so the scripts
+read the same either way. vLLM is imported only by the vLLM engine.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
 
 from common import dist
-from common.models import encode_prompts, merged_weights, resolve_model, stop_token_ids
+from common.batch import position_ids_of
+from common.models import encode_prompts, load_tokenizer, merged_weights, resolve_model, stop_token_ids
 
 
 def _keep_cpu_weights() -> None:
@@ -58,8 +65,9 @@ def _eager_token_ranks() -> None:
 
 def create_engine(name_or_path: str, seed: int, max_model_len: int, dtype: str = "float32",
                   gpu_memory_utilization: float = 0.3, cpu_kv_cache_gib: int = 1,
-                  enforce_eager: bool | None = None, sleep_mode: bool = True):
-    """An in-process vLLM engine for rollouts, seeded once (never per request).
+                  enforce_eager: bool | None = None, sleep_mode: bool = True, engine: str = "vllm"):
+    """An in-process vLLM engine for rollouts, seeded once (never per request); with
+    engine="transformers", a TransformersEngine (its own seeding, see there).
 
     On CPU the KV cache is sized by cpu_kv_cache_gib (vLLM would take most of the RAM),
     linear weights are kept beside their packed copies so that sync_weights() can update
@@ -69,6 +77,8 @@ def create_engine(name_or_path: str, seed: int, max_model_len: int, dtype: str =
     ~8 s of start-up for the tiny model and ~40-55 s for SmolLM2-135M on 2 cores, for ~10-20%
     slower generation. On GPU vLLM compiles.
     sleep_mode (CUDA only; vLLM has none on CPU): see awake()."""
+    if engine == "transformers":
+        return TransformersEngine(name_or_path, seed, dtype)
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         raise RuntimeError("set VLLM_ENABLE_V1_MULTIPROCESSING=0 before importing vllm: "
                            "weight sync needs the engine in this process")
@@ -139,7 +149,11 @@ def engine_model(llm) -> torch.nn.Module:
 def sync_weights(llm, model: PreTrainedModel) -> None:
     """Copy the trainer's current weights into vLLM in place (merged, under LoRA), then drop
     cached prefixes (their KV entries were computed with the old weights). A sleeping
-    engine's weights are woken first: loading into released memory would be lost silently."""
+    engine's weights are woken first: loading into released memory would be lost silently.
+    A TransformersEngine samples from the model itself: nothing to copy."""
+    if isinstance(llm, TransformersEngine):
+        llm.model = model
+        return
     wake(llm, "weights")
     engine = engine_model(llm)
     engine.load_weights(merged_weights(model))
@@ -159,13 +173,16 @@ def evaluate(llm, tokenizer, task, max_new_tokens: int, chat_template: bool = Tr
 
     Prompts are encoded and completions stopped as in training: pass the same
     chat_template / system_prompt as to encode_prompts (stop tokens: stop_token_ids).
-    Under torchrun rank 0 evaluates (the numbers of one process) and every rank gets them."""
+    Under torchrun rank 0 evaluates (the numbers of one process) and every rank gets them; with
+    a TransformersEngine every rank decodes the same prompts (the sharded policy's forward needs
+    every rank), to the same numbers."""
+    if isinstance(llm, TransformersEngine):
+        return _evaluate(llm, tokenizer, task, max_new_tokens, chat_template, system_prompt)
     return dist.on_main(_evaluate, llm, tokenizer, task, max_new_tokens, chat_template, system_prompt)
 
 
 def _evaluate(llm, tokenizer, task, max_new_tokens: int, chat_template: bool, system_prompt: str | None) -> dict:
-    from vllm import SamplingParams  # imported here: the tasks themselves need no vLLM
-
+    SamplingParams = _sampling_params_class(llm)
     prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in task.eval], chat_template, system_prompt)
     greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
     with awake(llm):
@@ -188,7 +205,132 @@ def sampling_params(args, tokenizer):
     --temperature, at most --max-new-tokens, with the sampled token's log-prob; a completion ends
     at EOS or at the chat template's end-of-turn token (which stays in its loss mask). Never a
     per-request seed: the engine is seeded once."""
-    from vllm import SamplingParams
-
+    SamplingParams = _sampling_params_class(args.engine)
     return SamplingParams(n=args.completions_per_prompt, temperature=args.temperature,
                           max_tokens=args.max_new_tokens, logprobs=0, stop_token_ids=stop_token_ids(tokenizer))
+
+
+def _sampling_params_class(engine):
+    """vLLM's SamplingParams, or the TransformersEngine's (engine: an engine or --engine's value).
+    vLLM is imported here, not at the top: the transformers engine runs without it."""
+    if engine == "transformers" or isinstance(engine, TransformersEngine):
+        return SamplingParams
+    from vllm import SamplingParams as VllmSamplingParams
+
+    return VllmSamplingParams
+
+
+# ---------------------------------------------------------------------------------------
+# --engine transformers: sampling from the trainer's own policy, without vLLM
+# ---------------------------------------------------------------------------------------
+
+@dataclass
+class SamplingParams:
+    """The fields of vLLM's SamplingParams the scripts set; temperature 0 is greedy."""
+    n: int = 1
+    temperature: float = 1.0
+    max_tokens: int = 16
+    logprobs: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Logprob:  # vLLM's, as sampled_logprobs reads it
+    logprob: float
+
+
+@dataclass
+class CompletionOutput:  # vLLM's, as the scripts read it
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str  # "stop" (a stop token, kept as the last id) or "length"
+
+
+@dataclass
+class RequestOutput:  # vLLM's: a prompt's n completions
+    outputs: list[CompletionOutput]
+
+
+class TransformersEngine:
+    """Rollouts by the trainer's own policy (sync_weights hands it over: no copy), decoded
+    token by token with a KV cache, in the same calls and outputs as vLLM.
+
+    Each sample draws its tokens by inverse CDF from uniforms of its own generator, seeded by
+    (seed, the engine's call count, the sample's index in the whole batch): under torchrun,
+    where rank r holds rows r*B..(r+1)*B-1 of the batch (dist.share), N ranks sample what one
+    process samples. Log-probs are log_softmax(logits / temperature), vLLM's processed ones.
+    Under FSDP every forward needs every rank, so the ranks decode in step until every rank's
+    samples have ended. No sleep mode: nothing to free, the weights are the trainer's."""
+
+    sleeps, asleep = False, frozenset()
+
+    def __init__(self, name_or_path: str, seed: int, dtype: str):
+        self.tokenizer = load_tokenizer(name_or_path)
+        self.seed, self.calls, self.model = seed, 0, None
+        self.autocast_dtype = torch.bfloat16 if dtype == "bfloat16" else None  # the trainer's own numerics
+        self.memory = {"device": 0, "allocated": 0}  # no memory of its own
+
+    def reset_prefix_cache(self) -> None:  # nothing cached across calls
+        pass
+
+    @torch.no_grad()
+    def generate(self, requests: list[dict], params: SamplingParams, use_tqdm: bool = False) -> list[RequestOutput]:
+        rows = [r["prompt_token_ids"] for r in requests for _ in range(params.n)]
+        self.calls += 1
+        training = self.model.training
+        self.model.eval()  # no gradient checkpointing (it turns the KV cache off)
+        try:
+            device = next(self.model.parameters()).device
+            with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+                tokens, logprobs, lengths, stopped = self._decode(rows, params, device)
+        finally:
+            self.model.train(training)
+        samples = [CompletionOutput(
+            token_ids=tokens[i, :n].tolist(), text=self.tokenizer.decode(tokens[i, :n], skip_special_tokens=True),
+            logprobs=[{t: Logprob(lp)} for t, lp in zip(tokens[i, :n].tolist(), logprobs[i, :n].tolist())],
+            finish_reason="stop" if stopped[i] else "length") for i, n in enumerate(lengths.tolist())]
+        return [RequestOutput(samples[i:i + params.n]) for i in range(0, len(samples), params.n)]
+
+    def _decode(self, rows: list[list[int]], params: SamplingParams, device):
+        """(tokens [B, T], their log-probs [B, T], lengths [B], stopped [B]) of the rows' samples."""
+        B, T, pad = len(rows), params.max_tokens, self.tokenizer.pad_token_id
+        P = max(len(r) for r in rows)
+        input_ids = torch.full((B, P), pad, dtype=torch.long)
+        attention_mask = torch.zeros(B, P, dtype=torch.long)
+        for i, r in enumerate(rows):  # left-padded, as in the trainer's batches
+            input_ids[i, P - len(r):], attention_mask[i, P - len(r):] = torch.tensor(r), 1
+        first = dist.rank() * B  # this rank's rows in the whole batch
+        uniforms = torch.stack([torch.rand(T, generator=torch.Generator().manual_seed(
+            hash((self.seed, self.calls, first + i)) % 2**63)) for i in range(B)]).to(device)
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        position_ids = position_ids_of(attention_mask)
+        stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=device)
+        tokens = torch.full((B, T), pad, dtype=torch.long, device=device)
+        logprobs = torch.zeros(B, T, device=device)
+        lengths = torch.zeros(B, dtype=torch.long, device=device)
+        stopped = torch.zeros(B, dtype=torch.bool, device=device)
+        cache, ids = None, input_ids
+        for t in range(T):
+            out = self.model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache, logits = out.past_key_values, out.logits[:, -1].float()
+            if params.temperature > 0:
+                logp = torch.log_softmax(logits / params.temperature, dim=-1)
+                cdf = logp.exp().cumsum(-1)
+                # the first token whose CDF reaches u * total, u in (0, 1]: never one of probability 0
+                token = torch.searchsorted(cdf, ((1 - uniforms[:, t]) * cdf[:, -1])[:, None])[:, 0]
+            else:
+                logp = torch.log_softmax(logits, dim=-1)
+                token = logits.argmax(-1)
+            running = ~stopped  # the rows still sampling: each has t tokens so far
+            tokens[running, t] = token[running]
+            logprobs[running, t] = logp[running].gather(-1, token[running, None])[:, 0]
+            lengths += running
+            stopped |= running & torch.isin(token, stop_ids)
+            if dist.all_sum((~stopped).sum()) == 0:
+                break  # every rank's samples have ended
+            ids = tokens[:, t:t + 1]
+            attention_mask = torch.cat([attention_mask, running[:, None].long()], dim=1)
+            position_ids = position_ids[:, -1:] + 1
+        return tokens, logprobs, lengths, stopped

@@ -13,8 +13,10 @@ import os
 import random
 import re
 import shutil
+import socket
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +41,7 @@ def seed_everything(seed: int) -> None:
 def rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()  # this process's GPU only: resumable on any number of GPUs
     return state
 
 
@@ -47,8 +49,12 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda") if torch.cuda.is_available() else None
+    if isinstance(cuda, list):  # an older checkpoint's get_rng_state_all(): one state per visible GPU
+        i = torch.cuda.current_device()
+        cuda = cuda[i] if i < len(cuda) else None
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)  # this process's GPU (a checkpoint holds rank 0's)
 
 
 # ---------------------------------------------------------------------------------------
@@ -75,8 +81,8 @@ class Run:
         # rank 0 checks and writes the folder; the others learn where it is (or its error)
         self.dir, self.start_step, self.accuracy_start, self.wall_time_before = dist.on_main(self._open, args)
         args.output_dir = self.dir  # args.json and checkpoints record where the run lives
-        if not dist.is_main():
-            args.resume = args.resume and find_checkpoint(args.resume)
+        check_shared_folder(self.dir)  # every rank writes its checkpoint shard into it
+        args.resume = dist.broadcast(args.resume)  # rank 0's checkpoint, whatever another node's working folder
         self.launch = {"world_size": dist.world_size(), "device": "cuda" if torch.cuda.is_available() else "cpu"}
         self.logger = MetricsLogger(self.dir, args, self.start_step, args.tensorboard, args.track, args.wandb_project,
                                     self.launch) if dist.is_main() else None
@@ -107,7 +113,8 @@ class Run:
         path = os.path.abspath(path)
         need(not os.path.exists(path) or os.path.isdir(path), f"--output-dir {path!r} is a file, not a folder")
         entries = os.listdir(path) if os.path.isdir(path) else []
-        foreign = sorted(set(entries) - set(RUN_FILES) - {"tensorboard", "wandb"})
+        foreign = sorted(e for e in set(entries) - set(RUN_FILES) - {"tensorboard", "wandb"}
+                         if not e.startswith(SHARED_MARKER))  # one a killed start left
         need(not foreign, f"--output-dir {path!r} holds files that no run wrote ({', '.join(foreign[:4])}): "
                           f"choose a new or empty folder")
         if holds_progress(path):
@@ -167,8 +174,8 @@ class Run:
         of a new run's metrics). The engine, tokenizer and task are kept for the evaluations."""
         self.llm, self.tokenizer, self.task = llm, tokenizer, task
         a = self.args
-        print(f"{a.exp_name}: {a.model} on {a.task} ({self.launch['device']}), {a.steps} steps of "
-              f"{a.prompts_per_step} prompts x {a.completions_per_prompt} completions -> {self.dir}")
+        print(f"{a.exp_name}: {a.model} on {a.task} ({self.launch['device']}, {a.engine} rollouts), {a.steps} "
+              f"steps of {a.prompts_per_step} prompts x {a.completions_per_prompt} completions -> {self.dir}")
         self.eval_metrics = self.evaluate()
         if self.start_step == 0:
             self.log(0, self.eval_metrics)
@@ -285,6 +292,37 @@ class Run:
         if self.logger is not None:
             self.logger.close()
             write_curves(self.dir)
+
+
+SHARED_MARKER = ".rank0-made-this-"
+
+
+def check_shared_folder(path: str) -> None:
+    """Under torchrun, that every rank sees the run folder rank 0 opened: each writes its shard of
+    the optimizer's state there, so across nodes it must be on a filesystem they all share. Rank 0
+    leaves a marker file of a fresh name there, every rank looks for it, and every rank raises the
+    same RunError when one does not see it: one line, before anything heavy (not a checkpoint
+    without some ranks' shards, a traceback or a hang later)."""
+    if dist.world_size() == 1:
+        return
+
+    def write_marker():
+        marker = os.path.join(path, SHARED_MARKER + uuid.uuid4().hex[:12])  # no earlier run's
+        try:
+            open(marker, "w").close()
+        except OSError as e:
+            raise RunError(f"cannot write to the run folder {path}: {e.strerror or e}") from None
+        return marker
+
+    marker = dist.on_main(write_marker)
+    views = dist.all_gather_objects([(os.path.isfile(marker), socket.gethostname())])  # every rank has looked
+    if dist.is_main():
+        os.remove(marker)
+    blind = [f"rank {r} (on {host})" for r, (seen, host) in enumerate(views) if not seen]
+    if blind:
+        raise RunError(f"{', '.join(blind)} cannot see the run folder {path} that rank 0 (on {views[0][1]}) "
+                       f"made: every rank writes its checkpoint shard there, so put --output-dir on a "
+                       f"filesystem that every node shares")
 
 
 def holds_progress(path: str) -> bool:

@@ -52,8 +52,9 @@ class Precision:
 
 
 def engine_options(args, max_prompt_len: int, precision: Precision) -> dict:
-    """create_engine's arguments for this run: seeded per rank, long enough for the longest
-    prompt and completion."""
-    return dict(seed=args.seed + dist.rank(), max_model_len=max_prompt_len + args.max_new_tokens,
-                dtype=precision.engine_dtype, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                cpu_kv_cache_gib=args.vllm_cpu_kv_cache_gib, sleep_mode=args.vllm_sleep)
+    """create_engine's arguments for this run: long enough for the longest prompt and completion;
+    vLLM seeded per rank (the transformers engine seeds each sample by its place in the whole batch)."""
+    return dict(engine=args.engine, seed=args.seed + (dist.rank() if args.engine == "vllm" else 0),
+                max_model_len=max_prompt_len + args.max_new_tokens, dtype=precision.engine_dtype,
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization, cpu_kv_cache_gib=args.vllm_cpu_kv_cache_gib,
+                sleep_mode=args.vllm_sleep)

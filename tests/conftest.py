@@ -95,6 +95,9 @@ def run_main(llm, monkeypatch):
     def run(script: str, *flags, engine=None):
         module = load_script(script)
         args = parse_args(module.Args, [str(f) for f in flags])
+        if args.engine == "transformers":  # no engine of its own to share: the policy samples
+            module.main(args)
+            return args
         if engine is None and os.path.isdir(args.model) and os.path.samefile(args.model, TINY_MODEL):
             engine = llm
 

@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py at toy size on CPU: the update it measures really trains (the
 trainable weights move, LoRA's base weights don't), gradient checkpointing changes memory but
-not the gradient, and a NaN fails the run."""
+not the gradient, and a NaN fails the run; its process-group, scripts and packing checks run
+and can fail."""
 
 import json
 import math
@@ -11,7 +12,7 @@ import torch
 from benchmarks import gpu_check
 
 TINY = ["--config", "tiny", "--device", "cpu", "--micro-batch-size", "2", "--micro-batches", "2",
-        "--prompt-len", "8", "--completion-len", "8", "--updates", "2"]
+        "--prompt-len", "8", "--completion-len", "8", "--updates", "2", "--checks", "update"]  # a later --checks wins
 
 
 @pytest.fixture(autouse=True)
@@ -87,3 +88,30 @@ def test_nan_loss_fails_the_run(tmp_path, monkeypatch, capsys):
     assert status == 1
     assert by_name["full"]["status"].startswith("FAILED") and "not finite" in by_name["full"]["status"]
     assert "FAILED: full" in capsys.readouterr().err
+
+
+def test_the_process_group_scripts_and_packing_checks_at_toy_size(tmp_path):
+    """The GPU machine's other checks, here on CPU: a group made as common/dist.py makes it takes
+    every kind of collective and FSDP2; grpo.py and ppo.py run end to end with --engine
+    transformers on the tiny model and a random model of --config; the mask's bytes are L^2."""
+    status, report, _ = run(tmp_path, "--checks", "process_group", "scripts", "packing", "--script-steps", "2",
+                            "--script-steps-large", "2")
+    assert status == 0
+    group = report["process_group"]
+    assert group["backend"] == "gloo" and group["status"] == "ok"
+    assert len(group) == 10 and all(v == "ok" for k, v in group.items() if k != "backend")
+    runs = report["scripts"]
+    assert [(r["script"], r["model"]) for r in runs] == [("grpo.py", "tiny-sort"), ("grpo.py", "tiny"),
+                                                         ("ppo.py", "tiny-sort"), ("ppo.py", "tiny")]
+    for r in runs:
+        assert r["status"] == "ok" and r["exit_code"] == 0 and r["steps"] == 2 and r["losses_finite"]
+        assert r["logprob_mismatch"] < 1e-4 and r["peak_memory_gib"] > 0 and r["median_step_s"] > 0
+    L = 2 * (8 + 8)  # micro-batch x (prompt + completion)
+    assert report["packing"]["sdpa_mask_bytes"] == L * L and report["packing"]["eager_mask_bytes"] == 4 * L * L
+
+
+def test_a_process_group_the_backend_cannot_make_fails_the_check(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gpu_check.dist, "backend", lambda device_type: "nccl")  # no NCCL on this CPU
+    status, report, _ = run(tmp_path, "--checks", "process_group")
+    assert status == 1 and report["process_group"]["status"].startswith("FAILED")
+    assert "FAILED: process_group" in capsys.readouterr().err
