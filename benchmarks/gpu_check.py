@@ -268,16 +268,15 @@ def run_variant(name: str, args, device: torch.device) -> dict:
 # ---------------------------------------------------------------------------------------
 
 def check_process_group(args, device: torch.device) -> dict:
-    """A one-process group with dist.backend(device) (a GPU takes one NCCL rank), each kind of
-    collective common/dist.py and common/interrupt.py hand it, then dist.shard (FSDP2) of the
-    --config model and one update through it. {name: "ok" or the error}, and "status"."""
-    results = {}
+    """A one-process group with dist.backend(device) (a GPU takes one NCCL rank; --backend another),
+    each kind of collective common/dist.py and common/interrupt.py hand it, then dist.shard (FSDP2)
+    of the --config model and one update through it. {name: "ok" or the error}, and "status"."""
+    results, backend = {}, args.backend or dist.backend(device.type)
     with tempfile.TemporaryDirectory() as folder:
         try:
-            tdist.init_process_group(dist.backend(device.type), init_method=f"file://{folder}/rendezvous",
-                                     rank=0, world_size=1)
-        except Exception as e:  # noqa: BLE001 - a backend this torch or device lacks
-            return {"backend": dist.backend(device.type), "status": f"FAILED: {type(e).__name__}: {e}"}
+            tdist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=0, world_size=1)
+        except Exception as e:  # noqa: BLE001 - a backend this torch or device lacks, or a group made before
+            return {"backend": backend, "status": f"FAILED: {type(e).__name__}: {e}"}
         try:
             collectives = {  # what each carries in the scripts (tests/test_dist.py records them on CPU)
                 "all_reduce of CPU float64 (metrics: mean_over_ranks)":
@@ -302,7 +301,7 @@ def check_process_group(args, device: torch.device) -> dict:
         finally:
             tdist.destroy_process_group()
     failed = [k for k, v in results.items() if v != "ok"]
-    return {"backend": dist.backend(device.type), **results,
+    return {"backend": backend, **results,
             "status": "FAILED: " + "; ".join(failed) if failed else "ok"}
 
 
@@ -447,6 +446,8 @@ def parse_args(argv=None):
     p.add_argument("--updates", type=int, default=2, help="updates per variant; the numbers printed are the last one's")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     p.add_argument("--checks", nargs="+", choices=CHECKS, default=CHECKS, help="which checks run (default: all)")
+    p.add_argument("--backend", help="the process group's backend (default: common/dist.py's for the device; "
+                   "--backend nccl shows the CPU tensors a plain NCCL group refuses)")
     p.add_argument("--script-steps", type=int, default=10, help="steps of the scripts on the tiny model (>= 10: "
                    "learning is checked)")
     p.add_argument("--script-steps-large", type=int, default=3, help="steps of the scripts on the --config model")
