@@ -22,7 +22,6 @@ The notation GRPO's family shares, the same block in each of its scripts:
 import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: weight sync is a copy
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the progress bar is the output, not vLLM's INFO lines
 
 import time
 from collections import defaultdict
@@ -37,6 +36,7 @@ from common.args import cli
 from common.batch import micro_batches, rollout_batch
 from common.engine import awake, create_engine, sampled_logprobs, sampling_params, sync_weights
 from common.errors import need
+from common.guard import step_if_finite
 from common.metrics import step_metrics, timed
 from common.models import encode_prompts, load_policy, load_reference
 from common.ops import aggregate, batched_logprobs, forward_logprobs, masked_mean, truncated_is_weights
@@ -132,8 +132,7 @@ class Args:
     them but rounds away updates smaller than ~1/256 of a weight (small learning rates are lost)"""
     gradient_checkpointing: bool = False
     engine: Literal["vllm", "transformers"] = "vllm"
-    """rollout engine: vllm, or transformers (the policy samples itself, no vLLM needed: macOS, Windows,
-    a GPU without a vLLM build; slower)"""
+    """rollout engine: vllm, or transformers (the policy samples itself: no vLLM needed, slower)"""
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (weights + KV cache)"""
     vllm_sleep: bool = True
@@ -141,10 +140,16 @@ class Args:
     memory), leaving the GPU's memory to the trainer; --no-vllm-sleep keeps it resident"""
     vllm_cpu_kv_cache_gib: int = 1
     """KV cache size on CPU"""
+    reward_timeout: float = 10.0
+    """seconds a reward may take on one completion, else it scores 0 (counted: reward/timeouts); 0: no limit"""
     eval_every: int = 10
     """greedy held-out evaluation every N steps (and at start and end); 0 only at start and end"""
     save_every: int = 50
     """checkpoint every N steps; 0 only on Ctrl-C"""
+    discard_later: bool = False
+    """--resume in the run's own folder from before its later checkpoints or final/: delete those"""
+    max_nonfinite_steps: int = 3
+    """stop after this many optimizer steps in a row skipped for a NaN or inf loss or gradient"""
     log_completions: int = 4
     """completions a step written to completions.jsonl with prompt, rewards, advantage (W&B table with --track)"""
     tensorboard: bool = False
@@ -235,9 +240,8 @@ def update(policy, optimizer, scheduler, args: Args, precision, input_ids, atten
                 for k, v in stats.items():
                     step_stats[k].append(float(v))
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            # a NaN or inf loss or gradient never reaches the weights: that step is skipped (common/guard.py)
+            step_if_finite(optimizer, scheduler, step_stats, args.max_nonfinite_steps, mb_loss, grad_norm)
             step_stats["loss/total"].append(mb_loss)
             step_stats["optim/grad_norm"].append(float(grad_norm))
     return step_stats, old_logprobs

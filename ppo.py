@@ -27,7 +27,6 @@ gradients are clipped separately, so a large value loss never shrinks the policy
 import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: weight sync is a copy
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the progress bar is the output, not vLLM's INFO lines
 
 import time
 from collections import defaultdict
@@ -44,10 +43,11 @@ from common.args import cli
 from common.batch import micro_batches, rollout_batch
 from common.engine import awake, create_engine, sampled_logprobs, sampling_params, sync_weights
 from common.errors import need
+from common.guard import step_if_finite
 from common.metrics import step_metrics, timed
 from common.models import check_model, encode_prompts, load_policy, load_pretrained, load_reference
 from common.ops import aggregate, batched_logprobs, forward_logprobs, masked_mean, truncated_is_weights
-from common.rewards import load_reward_model, reward_model_scores
+from common.rewards import check_reward_model, load_reward_model, reward_model_scores
 from common.run import Run, seed_everything
 from common.setup import Precision, engine_options, prepare
 
@@ -161,8 +161,7 @@ class Args:
     them but rounds away updates smaller than ~1/256 of a weight (small learning rates are lost)"""
     gradient_checkpointing: bool = False
     engine: Literal["vllm", "transformers"] = "vllm"
-    """rollout engine: vllm, or transformers (the policy samples itself, no vLLM needed: macOS, Windows,
-    a GPU without a vLLM build; slower)"""
+    """rollout engine: vllm, or transformers (the policy samples itself: no vLLM needed, slower)"""
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (weights + KV cache)"""
     vllm_sleep: bool = True
@@ -170,10 +169,16 @@ class Args:
     memory), leaving the GPU's memory to the trainer; --no-vllm-sleep keeps it resident"""
     vllm_cpu_kv_cache_gib: int = 1
     """KV cache size on CPU"""
+    reward_timeout: float = 10.0
+    """seconds a reward may take on one completion, else it scores 0 (counted: reward/timeouts); 0: no limit"""
     eval_every: int = 10
     """greedy held-out evaluation every N steps (and at start and end); 0 only at start and end"""
     save_every: int = 50
     """checkpoint every N steps; 0 only on Ctrl-C"""
+    discard_later: bool = False
+    """--resume in the run's own folder from before its later checkpoints or final/: delete those"""
+    max_nonfinite_steps: int = 3
+    """stop after this many optimizer steps in a row skipped for a NaN or inf loss or gradient"""
     log_completions: int = 4
     """completions a step written to completions.jsonl with prompt, rewards, advantage (W&B table with --track)"""
     tensorboard: bool = False
@@ -292,8 +297,10 @@ def check(args: Args) -> None:
          f"--vf-coef must be >= 0 and --vf-clip > 0, got {args.vf_coef} and {args.vf_clip}")
     need(not (args.reward and args.reward_model), "--reward and --reward-model both define the reward: give one")
     need(args.critic_lr > 0, f"--critic-lr must be positive, got {args.critic_lr}")
-    for path in filter(None, (args.critic_model, args.reward_model)):
-        check_model(path)
+    if args.critic_model:
+        check_model(args.critic_model, "--critic-model")
+    if args.reward_model:
+        check_reward_model(args.reward_model)  # found, and with a trained score head
 
 
 def update(policy, critic, optimizer, scheduler, args: Args, precision, input_ids, attention_mask, completion_mask,
@@ -328,9 +335,9 @@ def update(policy, critic, optimizer, scheduler, args: Args, precision, input_id
                     step_stats[k].append(float(v))
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            # a NaN or inf loss or gradient never reaches the weights: that step is skipped (common/guard.py)
+            step_if_finite(optimizer, scheduler, step_stats, args.max_nonfinite_steps, mb_loss, grad_norm,
+                           critic_grad_norm)
             step_stats["loss/total"].append(mb_loss)
             step_stats["optim/grad_norm"].append(float(grad_norm))
             step_stats["optim/critic_grad_norm"].append(float(critic_grad_norm))

@@ -8,12 +8,14 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import sys
 import typing
 from pathlib import Path
 
 from common import dist
 from common.errors import ConfigError, RunError, need
+from common.interrupt import StopAtOnce, signal_name
 
 
 # Flags a resumed run may change (each change is printed). Every other flag defines the run
@@ -21,7 +23,7 @@ from common.errors import ConfigError, RunError, need
 # giving it again with another value is refused.
 RESUMABLE_CHANGES = ("steps", "eval_every", "save_every", "micro_batch_size", "gradient_checkpointing", "engine",
                      "vllm_gpu_memory_utilization", "vllm_cpu_kv_cache_gib", "vllm_sleep", "tensorboard", "track",
-                     "wandb_project", "log_completions")
+                     "wandb_project", "log_completions", "max_nonfinite_steps", "reward_timeout")
 
 
 def parse_args(Args, argv: list[str] | None = None):
@@ -48,13 +50,37 @@ def parse_args(Args, argv: list[str] | None = None):
     return args
 
 
-def cli(main, Args) -> None:
-    """if __name__ == "__main__": cli(main, Args): main(the parsed arguments), a RunError (bad input,
-    a failed run) said in one line and exit status 1 instead of a traceback."""
+def cli(main, Args, argv: list[str] | None = None) -> None:
+    """if __name__ == "__main__": cli(main, Args): main(the parsed arguments), and what ends it early
+    said in one line instead of a traceback: a RunError (bad input, a failed run; exit status 1), or a
+    Ctrl-C or SIGTERM that stops it at once (exit 130, 143): one outside the training loop, or a
+    second one in it (common/interrupt.py). Checkpoints are written atomically: a stop mid-save
+    leaves the previous one, which the line names."""
+    args = None
     try:
-        main(parse_args(Args))
+        with StopAtOnce():
+            args = parse_args(Args, argv)
+            main(args)
     except RunError as e:
+        end_progress_bars()
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt as e:  # Interrupted (a bare one: a Ctrl-C that came before StopAtOnce)
+        end_progress_bars()
+        signum = getattr(e, "signum", signal.SIGINT)
+        checkpoint = args and args.output_dir and latest_checkpoint(args.output_dir)
+        saved = f"continue from the last checkpoint with --resume {checkpoint}" if checkpoint else \
+            "no checkpoint was saved"
+        print(f"{signal_name(signum)}: stopped; {saved}", file=sys.stderr)
+        sys.exit(128 + signum)
+
+
+def end_progress_bars() -> None:
+    """Ends the line of a progress bar that an error or a stop left open, so that cli's line is
+    one of its own (tqdm keeps its open bars in tqdm._instances)."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 def appended_fields(Args) -> list[str]:
@@ -84,6 +110,7 @@ def check_args(args, max_context: int, max_prompt_len: int, min_completions: int
     need(args.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     need(args.eval_every >= 0, f"--eval-every must be >= 0 (0: only at start and end), got {args.eval_every}")
     need(args.save_every >= 0, f"--save-every must be >= 0 (0: only on Ctrl-C), got {args.save_every}")
+    need(args.max_nonfinite_steps >= 1, f"--max-nonfinite-steps must be >= 1, got {args.max_nonfinite_steps}")
     need(args.log_completions >= 0, f"--log-completions must be >= 0, got {args.log_completions}")
     need(args.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
          "vLLM is not installed here: run with --engine transformers (the policy samples itself), or install vLLM")
@@ -136,9 +163,10 @@ def find_checkpoint(path: str) -> str:
         raise ConfigError(f"--resume {path!r} is a half-written checkpoint (its save did not finish); "
                           f"resume from a complete one: {latest_checkpoint(os.path.dirname(os.path.dirname(path)))}")
     need(os.path.isdir(path), f"--resume {path!r}: no such folder")
-    if os.path.isdir(os.path.join(path, "checkpoints")):
-        latest = latest_checkpoint(path)
-        need(latest is not None, f"--resume {path!r}: this run folder has no checkpoint to resume from")
+    if os.path.isdir(os.path.join(path, "checkpoints")) or os.path.isfile(os.path.join(path, "args.json")):
+        latest = latest_checkpoint(path)  # a run folder (args.json: also one that never saved)
+        need(latest is not None, f"--resume {path!r}: this run saved no checkpoint ({when_saved(path)}), so there "
+                                 f"is nothing to resume: start it again")
         return latest
     need(os.path.isfile(os.path.join(path, "trainer_state.pt")),
          f"--resume {path!r} is not a checkpoint folder (no trainer_state.pt)")
@@ -149,6 +177,17 @@ def find_checkpoint(path: str) -> str:
          f"--resume {path!r} was written by an older version of these scripts (no optimizer/ folder): "
          f"start a new run from its weights with --model {path}/policy")
     return path
+
+
+def when_saved(run_dir: str) -> str:
+    """When the run in run_dir saves a checkpoint, from its args.json: "--save-every 50: every 50 steps, ..."."""
+    try:
+        with open(os.path.join(run_dir, "args.json")) as f:
+            every = int(json.load(f)["save_every"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "see --save-every"
+    return f"--save-every {every}: " + (f"every {every} steps and on Ctrl-C or SIGTERM" if every else
+                                        "on Ctrl-C or SIGTERM only")
 
 
 def latest_checkpoint(run_dir: str) -> str | None:
@@ -175,6 +214,7 @@ def saved_args(Args, checkpoint: str):
     saved = Args(**info["args"])
     saved.resume = checkpoint
     saved.output_dir = run_folder_of(checkpoint)
+    saved.overwrite = saved.discard_later = False  # what one command asked, not the run: never restored
     return saved
 
 
@@ -193,9 +233,12 @@ def check_resume(args) -> None:
     check_script(info, script_name(type(args)), args.resume)
     need(not args.overwrite or forks(args), "--overwrite and --resume contradict each other: a resumed run "
                                             "continues in its own folder (or give a new --output-dir)")
+    need(args.steps >= info["step"], f"--resume {args.resume!r}: --steps {args.steps} is below the step of this "
+                                     f"checkpoint ({info['step']}): give --steps {info['step']} or more (as many: "
+                                     f"no more training, only the final model and summary.json)")
     saved = info["args"]
     refused = [f"--{k.replace('_', '-')} {saved[k]!r} (you asked for {getattr(args, k)!r})"
-               for k in saved if k not in RESUMABLE_CHANGES + ("resume", "output_dir", "overwrite")
+               for k in saved if k not in RESUMABLE_CHANGES + ("resume", "output_dir", "overwrite", "discard_later")
                and getattr(args, k) != saved[k]]
     need(not refused, f"--resume {args.resume!r}: this run was made with {'; '.join(refused)}. A resumed run "
                       f"keeps the flags that define it; those that may change: "

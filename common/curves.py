@@ -4,8 +4,9 @@
 
 Panels against step: the rollouts' mean reward, held-out accuracy (on the eval steps), KL to
 the reference, response length and where a step's time goes (stacked parts for one run, the
-total per run for several). A panel whose metric no run logged is left out. One run folder
-draws RUN_DIR/curves.png; several draw side by side, one color each, into ./curves.png.
+total per run for several). A panel whose metric no run logged is left out; every panel spans
+the runs' steps. A NaN or inf is an x on the panel's top edge. One run folder draws
+RUN_DIR/curves.png; several draw side by side, one color each, into ./curves.png.
 The scripts call write_curves when a run ends, and on Ctrl-C.
 """
 
@@ -49,12 +50,21 @@ def series(rows: list[dict], key: str) -> tuple[list, list]:
 
 
 def draw_metric(ax, runs: list[tuple[str, list[dict]]], key: str, colors) -> None:
-    """One line per (label, rows) run, over the steps that logged `key`."""
+    """One line per (label, rows) run, over the steps that logged `key`. A NaN or inf value (a
+    diverged run) is a gap in the line and an x on the panel's top edge at its step: marked, and
+    the y axis stays on the finite values."""
     for (label, rows), color in zip(runs, colors):
         x, y = series(rows, key)
-        # markers where points are few or far apart: eval steps, or a run of one step
-        ax.plot(x, y, color=color, label=label, lw=1.5, ms=3,
-                marker="o" if key == "eval/accuracy" or len(x) == 1 else None)
+        finite = [math.isfinite(v) for v in y]
+        # markers where points are few or far apart: eval steps, a run of one step, or between gaps
+        ax.plot(x, [v if ok else math.nan for v, ok in zip(y, finite)], color=color, label=label, lw=1.5, ms=3,
+                marker="o" if key == "eval/accuracy" or len(x) == 1 or not all(finite) else None)
+        if not all(finite):  # x in steps, y in the panel's height (1: its top edge)
+            ax.plot([s for s, ok in zip(x, finite) if not ok], [1.0] * finite.count(False), "x", color=color,
+                    ms=8, mew=2, clip_on=False, transform=ax.get_xaxis_transform(), label="NaN or inf")
+    marks = [line for line in ax.lines if line.get_label() == "NaN or inf"]
+    if marks:
+        ax.legend(handles=marks[:1], fontsize=7, loc="lower right")
 
 
 def draw_time(ax, runs: list[tuple[str, list[dict]]], colors) -> None:
@@ -76,6 +86,16 @@ def draw_time(ax, runs: list[tuple[str, list[dict]]], colors) -> None:
 def plot_runs(run_dirs: list[str], path: str) -> list[str]:
     """Draw the runs' panels into `path` (a PNG); returns the titles of the panels drawn, and
     writes nothing (returns []) when no run logged any of the metrics."""
+    fig = make_figure(run_dirs)
+    if fig is None:
+        return []
+    fig.savefig(path)
+    return [ax.get_title() for ax in fig.axes if ax.get_visible()]
+
+
+def make_figure(run_dirs: list[str]):
+    """The runs' panels, a matplotlib Figure (an Axes per panel, titled); None when no run logged
+    any of the metrics."""
     import matplotlib
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -84,7 +104,10 @@ def plot_runs(run_dirs: list[str], path: str) -> list[str]:
     runs = [(os.path.basename(os.path.normpath(d)), read_metrics(d)) for d in run_dirs]
     panels = [(key, title) for key, title in PANELS if any(series(rows, key)[0] for _, rows in runs)]
     if not panels:
-        return []
+        return None
+    steps = [r["step"] for _, rows in runs for r in rows]
+    # every panel over the runs' steps, with a margin: a run of one step (a point) gets a readable axis
+    margin = max(0.05 * (max(steps) - min(steps)), 0.5)
     colors = [matplotlib.colormaps["tab10"].colors[i % 10] for i in range(len(runs))]
     n_rows, n_cols = math.ceil(len(panels) / COLS), min(len(panels), COLS)
     legend_h = 0.4 if len(runs) > 1 else 0.0  # inches below the panels for the runs' legend
@@ -98,6 +121,7 @@ def plot_runs(run_dirs: list[str], path: str) -> list[str]:
             draw_metric(ax, runs, key, colors)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
+        ax.set_xlim(min(steps) - margin, max(steps) + margin)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     for ax in axes[len(panels):]:  # the empty places of the last row
@@ -108,8 +132,7 @@ def plot_runs(run_dirs: list[str], path: str) -> list[str]:
                    frameon=False)
     fig.suptitle(runs[0][0] if len(runs) == 1 else f"{len(runs)} runs", fontsize=11)
     fig.tight_layout(rect=(0, legend_h / fig.get_figheight(), 1, 1))
-    fig.savefig(path)
-    return [title for _, title in panels]
+    return fig
 
 
 def write_curves(run_dir: str, path: str | None = None) -> str | None:

@@ -13,7 +13,9 @@ read the same either way. vLLM is imported only by the vLLM engine.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +24,7 @@ from transformers import PreTrainedModel
 from common import dist
 from common.batch import position_ids_of
 from common.models import encode_prompts, load_tokenizer, merged_weights, resolve_model, stop_token_ids
+from common.rewards import TIMEOUTS, Reward, RewardTerm
 
 
 def _keep_cpu_weights() -> None:
@@ -63,6 +66,19 @@ def _eager_token_ranks() -> None:
     sampler.batched_count_greater_than = batched_count_greater_than
 
 
+def _quiet_vllm() -> None:
+    """Before vLLM is imported: its warnings off (its errors stay). None asks the user to act: at a
+    start on CPU, ~18 about what this code chose (eager mode, the seed, torch's threads) or the
+    build lacks (Triton; tcmalloc and Intel OpenMP preloaded, for speed); in bf16, 18 more at every
+    weight sync, for fp32 weights loaded into the bf16 engine, as intended. VLLM_LOGGING_LEVEL=WARNING
+    (or INFO) shows them again."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's logger, configured when an engine starts
+    # what vLLM says while it is imported, before that, goes through its logger's parent too
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
+    # vLLM's scan of every loaded module touches torch's deprecated alias
+    warnings.filterwarnings("ignore", "`torch.distributed.reduce_op` is deprecated", FutureWarning)
+
+
 def create_engine(name_or_path: str, seed: int, max_model_len: int, dtype: str = "float32",
                   gpu_memory_utilization: float = 0.3, cpu_kv_cache_gib: int = 1,
                   enforce_eager: bool | None = None, sleep_mode: bool = True, engine: str = "vllm"):
@@ -82,6 +98,7 @@ def create_engine(name_or_path: str, seed: int, max_model_len: int, dtype: str =
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         raise RuntimeError("set VLLM_ENABLE_V1_MULTIPROCESSING=0 before importing vllm: "
                            "weight sync needs the engine in this process")
+    _quiet_vllm()
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib)
@@ -101,7 +118,7 @@ def create_engine(name_or_path: str, seed: int, max_model_len: int, dtype: str =
     before = memory_in_use()
     llm = LLM(model=resolve_model(name_or_path), seed=seed, dtype=dtype,
               max_model_len=max_model_len, enable_prefix_caching=True, enable_sleep_mode=sleep_mode and not on_cpu,
-              logprobs_mode="processed_logprobs", enforce_eager=enforce_eager, **kwargs)
+              logprobs_mode="processed_logprobs", enforce_eager=enforce_eager, use_tqdm_on_load=False, **kwargs)
     llm.memory = {k: after - before[k] for k, after in memory_in_use().items()}  # the engine's share
     llm.sleeps, llm.asleep = sleep_mode and not on_cpu, set()
     return llm
@@ -168,28 +185,32 @@ def sync_weights(llm, model: PreTrainedModel) -> None:
 # ---------------------------------------------------------------------------------------
 
 def evaluate(llm, tokenizer, task, max_new_tokens: int, chat_template: bool = True,
-             system_prompt: str | None = None) -> dict:
+             system_prompt: str | None = None, reward_timeout: float = 0.0) -> dict:
     """Greedy accuracy (reward >= 1) and mean reward on the task's eval split, through vLLM.
 
     Prompts are encoded and completions stopped as in training: pass the same
-    chat_template / system_prompt as to encode_prompts (stop tokens: stop_token_ids).
+    chat_template / system_prompt as to encode_prompts (stop tokens: stop_token_ids). The
+    task's reward is called as in training (common/rewards.py Reward): a verifier that fails is
+    one line, a call past reward_timeout seconds scores 0 and is counted (eval/timeouts).
     Under torchrun rank 0 evaluates (the numbers of one process) and every rank gets them; with
     a TransformersEngine every rank decodes the same prompts (the sharded policy's forward needs
     every rank), to the same numbers."""
     if isinstance(llm, TransformersEngine):
-        return _evaluate(llm, tokenizer, task, max_new_tokens, chat_template, system_prompt)
-    return dist.on_main(_evaluate, llm, tokenizer, task, max_new_tokens, chat_template, system_prompt)
+        return _evaluate(llm, tokenizer, task, max_new_tokens, chat_template, system_prompt, reward_timeout)
+    return dist.on_main(_evaluate, llm, tokenizer, task, max_new_tokens, chat_template, system_prompt, reward_timeout)
 
 
-def _evaluate(llm, tokenizer, task, max_new_tokens: int, chat_template: bool, system_prompt: str | None) -> dict:
+def _evaluate(llm, tokenizer, task, max_new_tokens: int, chat_template: bool, system_prompt: str | None,
+              reward_timeout: float) -> dict:
     SamplingParams = _sampling_params_class(llm)
     prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in task.eval], chat_template, system_prompt)
     greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
     with awake(llm):
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy, use_tqdm=False)
-    rewards = [task.reward(o.outputs[0].text, e) for o, e in zip(outputs, task.eval)]
-    return {"eval/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
-            "eval/reward_mean": sum(rewards) / len(rewards)}
+    verifier = Reward([RewardTerm("correct", task.reward, 1.0, "correct")], reward_timeout)
+    rewards, parts = verifier([o.outputs[0].text for o in outputs], task.eval)
+    return {"eval/accuracy": (rewards >= 1.0).float().mean().item(), "eval/reward_mean": rewards.mean().item(),
+            "eval/timeouts": parts[TIMEOUTS].sum().item()}
 
 
 def sampled_logprobs(completions, num_completion_tokens: int, device) -> torch.Tensor:

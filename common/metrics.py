@@ -9,6 +9,7 @@ import time
 import torch
 
 from common.ops import masked_mean, truncated_is_weights
+from common.rewards import TIMEOUTS
 
 
 @contextlib.contextmanager
@@ -35,13 +36,15 @@ def memory_metrics(llm) -> dict:
 def step_metrics(step_stats: dict, rewards, reward_parts: dict, completion_mask, truncated, old_logprobs,
                  vllm_logprobs, ref_logprobs, vllm_is_cap: float, scheduler, times: dict, llm) -> dict:
     """The metrics every script logs the same way for a step: the update's statistics (mean
-    over micro-batches), reward and its terms, completion length and truncation, vLLM's
+    over micro-batches), reward and its terms, reward calls past --reward-timeout (reward/timeouts,
+    per process under torchrun), completion length and truncation, vLLM's
     log-prob mismatch and the importance weights that correct it, the learning rate, section
     times, throughput, memory, and KL(pi_old || pi_ref) (k3) where there is a reference."""
     metrics = {k: sum(v) / len(v) for k, v in step_stats.items()}
     metrics.update({
         "reward/mean": rewards.mean(), "reward/std": rewards.std(),
-        **{f"reward/{k}_mean": v.mean() for k, v in reward_parts.items()},
+        **{f"reward/{k}_mean": v.mean() for k, v in reward_parts.items() if k != TIMEOUTS},
+        "reward/timeouts": reward_parts[TIMEOUTS].sum(),
         "response/length_mean": completion_mask.sum(1).float().mean(),
         "response/truncated_frac": truncated.float().mean(),
         "rollout/logprob_mismatch": masked_mean((vllm_logprobs - old_logprobs).abs(), completion_mask),

@@ -48,14 +48,14 @@ def looks_like_a_path(name_or_path: str) -> bool:
     return bool(parent) and os.path.isdir(os.path.expanduser(parent))
 
 
-def check_model(name_or_path: str):
-    """Fail fast with one clear line if the model can't be found; returns its config.
+def check_model(name_or_path: str, flag: str = "--model"):
+    """Fail fast with one clear line, naming the flag, if the model can't be found; returns its config.
 
     A local folder is used as is; a short name (see SHORT_NAMES) is converted on first use;
     anything else is taken as a hub id (org/name), read from the local cache when the hub
     can't be reached."""
     if looks_like_a_path(name_or_path) and not os.path.isdir(os.path.expanduser(name_or_path)):
-        raise ConfigError(f"model path {name_or_path!r} does not exist (no such folder)")
+        raise ConfigError(f"{flag}: model path {name_or_path!r} does not exist (no such folder)")
     path = resolve_model(name_or_path)
     local = os.path.isdir(path)
     online = local or hub_reachable()
@@ -63,11 +63,27 @@ def check_model(name_or_path: str):
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
         if not online:
-            raise ConfigError(f"model {name_or_path!r} is not a local folder, and the Hugging Face hub is "
+            raise ConfigError(f"{flag}: model {name_or_path!r} is not a local folder, and the Hugging Face hub is "
                               f"unreachable from here (offline?) with no cached copy") from None
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"cannot load model {name_or_path!r}: not a local folder with a "
+        raise ConfigError(f"{flag}: cannot load model {name_or_path!r}: not a local folder with a "
                          f"config.json, nor a hub id that can be downloaded ({first_line})") from None
+
+
+def check_lora_targets(config, target_modules: tuple[str, ...]) -> None:
+    """One line if --lora-target-modules matches no module of the model, which peft would say in a
+    traceback at load_policy, after the engine started: peft's own matching, on the model built
+    from its config on the meta device (no weights read, no memory taken)."""
+    from peft import LoraConfig, get_peft_model
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    try:
+        get_peft_model(model, LoraConfig(target_modules=list(target_modules)))
+    except ValueError as e:
+        linear = sorted({name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ConfigError(f"--lora-target-modules {' '.join(target_modules)}: {str(e).splitlines()[0]} (this "
+                          f"{config.model_type} model's linear layers: {', '.join(linear)})") from None
 
 
 def load_tokenizer(name_or_path: str):

@@ -15,23 +15,29 @@ The rule: given --reward flags REPLACE the task's reward by their weighted sum,
 
 and `correct`, the task's own verifier, is one of them when you want it. Each r_k is logged
 as reward/<name>_mean. Held-out accuracy is always the task's own verifier (reward >= 1).
+Every call is checked (checked_call: one line naming the function, the completion and what went
+wrong) and may take --reward-timeout seconds (time_limit): past it, it scores 0 and is counted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
 import math
 import os
 import re
+import signal
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from tqdm import tqdm
 
-from common.errors import ConfigError, RunError
+from common.errors import ConfigError, RunError, need
 
 _MODULES: dict[str, object] = {}  # one module object per file: a task and rewards from one file share it
 
@@ -55,14 +61,14 @@ def load_function(spec: str, what: str) -> Callable:
             module = importlib.util.module_from_spec(module_spec)
             try:
                 module_spec.loader.exec_module(module)
-            except Exception as e:
+            except (Exception, SystemExit) as e:  # sys.exit() in the file too: not a silent exit
                 raise ConfigError(f"{what} {spec!r}: importing {source!r} failed ({type(e).__name__}: {e})") from None
             _MODULES[path] = module
         module = _MODULES[path]
     else:
         try:
             module = importlib.import_module(source)
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             raise ConfigError(f"{what} {spec!r}: cannot import module {source!r} ({type(e).__name__}: {e}); "
                               f"a file is written FILE.py:FUNCTION") from None
     fn = getattr(module, name, None)
@@ -98,6 +104,70 @@ BUILTIN_REWARDS: dict[str, Callable] = {
 
 
 # ---------------------------------------------------------------------------------------
+# a checked call, in a time limit
+# ---------------------------------------------------------------------------------------
+
+FLOAT32_MAX = torch.finfo(torch.float32).max  # a Python float above it (1e39) is inf in the reward tensor
+
+
+def checked_call(fn: Callable[[str, dict], float], completion: str, example: dict, source: str) -> float:
+    """fn(completion, example) as a float, checked: an exception, or anything but a number that
+    float32 holds (1e39 passes as a Python float, then becomes inf in the reward tensor, and the
+    advantages, loss and weights NaN), is a ConfigError of one line naming source ("reward
+    'my.py:fn'", "task 'gsm8k': reward function"), the completion and what went wrong. The reward
+    terms (RewardTerm) and the task's own reward (Task.reward, in training and evaluation) are
+    called through it."""
+    try:
+        r = fn(completion, example)
+    except RunError:  # already one line (the task's own reward, inside the `correct` term)
+        raise
+    except (Exception, SystemExit) as e:
+        raise ConfigError(f"{source} raised {type(e).__name__}: {e} on completion {completion[:80]!r}") from None
+    # abs(r) <= FLOAT32_MAX compares an int exactly (no OverflowError for 10**400) and is False for NaN
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not abs(r) <= FLOAT32_MAX:
+        raise ConfigError(f"{source} returned {shown(r)} for completion {completion[:80]!r}; it must return "
+                          f"a finite number within float32's range (|r| <= {FLOAT32_MAX:.3g})")
+    return float(r)
+
+
+def shown(value) -> str:
+    """A returned value for an error message: a huge integer by its size, not its digits."""
+    if isinstance(value, int) and abs(value) > FLOAT32_MAX:
+        return f"an integer of about 10^{int(abs(value).bit_length() * math.log10(2))}"
+    return repr(value)[:80]
+
+
+class RewardTimeout(BaseException):
+    """A reward call ran past its time limit. A BaseException, as KeyboardInterrupt is, so that a
+    reward's own `except Exception` (math_reward has one) does not swallow it and carry on."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """with time_limit(s): the block, interrupted by RewardTimeout after s seconds of wall time
+    (0: no limit). A SIGALRM timer (ITIMER_REAL): its handler raises in the main thread between two
+    bytecodes or out of a blocking call (sleep, I/O), so a pure-Python infinite loop stops too; a
+    worker thread could only be abandoned, spinning on and taking the GIL from training. The
+    scripts call rewards in the main thread (under torchrun each rank is its own process); in
+    another thread there is no limit. No in-process limit stops a single C call that holds the
+    interpreter (a huge integer power): that would need a subprocess a call."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise RewardTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# ---------------------------------------------------------------------------------------
 # the weighted sum
 # ---------------------------------------------------------------------------------------
 
@@ -109,30 +179,46 @@ class RewardTerm:
     spec: str  # as given on the command line, for error messages
 
     def __call__(self, completion: str, example: dict) -> float:
-        try:
-            r = self.fn(completion, example)
-        except RunError:
-            raise
-        except Exception as e:
-            raise RunError(f"reward {self.spec!r} raised {type(e).__name__}: {e} on completion "
-                           f"{completion[:80]!r}") from None
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
-            raise RunError(f"reward {self.spec!r} returned {r!r} for completion {completion[:80]!r}; "
-                           f"it must return a finite number")
-        return float(r)
+        return checked_call(self.fn, completion, example, f"reward {self.spec!r}")
+
+
+TIMEOUTS = "timeouts"  # parts[TIMEOUTS]: how many of a completion's calls ran past the time limit
 
 
 class Reward:
     """rewards, parts = reward(completions, examples): the total R = sum_k w_k r_k of each
-    completion ([N] tensor) and each term r_k unweighted ({name: [N] tensor})."""
+    completion ([N] tensor) and each term r_k unweighted ({name: [N] tensor}), in float32 as
+    training uses them (a total beyond its range is one line). Each call may take `timeout`
+    seconds (--reward-timeout; 0: no limit): one that runs past it scores 0, parts["timeouts"]
+    counts them per completion (the metrics log their sum, reward/timeouts) and stderr says so,
+    once a batch. The run goes on."""
 
-    def __init__(self, terms: list[RewardTerm]):
-        self.terms = terms
+    def __init__(self, terms: list[RewardTerm], timeout: float = 0.0):
+        self.terms, self.timeout = terms, timeout
+
+    def call(self, term: RewardTerm, completion: str, example: dict) -> float | None:
+        """term(completion, example), or None if it ran past the time limit."""
+        try:
+            with time_limit(self.timeout):
+                return term(completion, example)
+        except RewardTimeout:
+            return None
 
     def __call__(self, completions: list[str], examples: list[dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        parts = {t.name: torch.tensor([t(c, e) for c, e in zip(completions, examples)], dtype=torch.float32)
-                 for t in self.terms}
+        values = {t.name: [self.call(t, c, e) for c, e in zip(completions, examples)] for t in self.terms}
+        parts = {name: torch.tensor([0.0 if v is None else v for v in vs], dtype=torch.float32)
+                 for name, vs in values.items()}
         total = sum(t.weight * parts[t.name] for t in self.terms)
+        if not torch.isfinite(total).all():
+            i = int((~torch.isfinite(total)).nonzero()[0])
+            terms = " + ".join(f"{t.weight:g} x {t.name} {parts[t.name][i].item():.3g}" for t in self.terms)
+            raise ConfigError(f"the weighted sum of the reward terms ({terms}) is beyond float32's range for "
+                              f"completion {completions[i][:80]!r}; scale the terms or their weights down")
+        late = {name: sum(v is None for v in vs) for name, vs in values.items()}
+        parts[TIMEOUTS] = sum(torch.tensor([v is None for v in vs], dtype=torch.float32) for vs in values.values())
+        if any(late.values()):
+            tqdm.write(f"reward calls past --reward-timeout {self.timeout:g} s scored 0: " + ", ".join(
+                f"{name} {n} of {len(completions)}" for name, n in late.items() if n), file=sys.stderr)
         return total, parts
 
 
@@ -140,30 +226,43 @@ WEIGHT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 def parse_reward_spec(spec: str) -> tuple[str, float]:
-    """'my.py:fn:0.2' -> ('my.py:fn', 0.2); 'format:0.5' -> ('format', 0.5); 'my.py:fn' -> ('my.py:fn', 1.0)."""
+    """'my.py:fn:0.2' -> ('my.py:fn', 0.2); 'format:0.5' -> ('format', 0.5); 'my.py:fn' -> ('my.py:fn', 1.0).
+    After a built-in's name or a FUNCTION, the last part is a weight; otherwise a function's name
+    if it is not a number (my.py:nan is the function nan)."""
     head, colon, tail = spec.rpartition(":")
-    if not WEIGHT.fullmatch(tail):  # a function's name (also one called nan or inf)
+    weighted = head in BUILTIN_REWARDS or ":" in head
+    if not weighted and not WEIGHT.fullmatch(tail):
         return spec, 1.0
-    weight = float(tail)
     if not colon or not head:
         raise ConfigError(f"--reward {spec!r}: expected NAME[:WEIGHT] or FILE.py:FUNCTION[:WEIGHT]")
+    try:
+        weight = float(tail)
+    except ValueError:
+        raise ConfigError(f"--reward {spec!r}: the weight {tail!r} is not a number") from None
     if not math.isfinite(weight):
         raise ConfigError(f"--reward {spec!r}: the weight must be a finite number, got {tail!r}")
     return head, weight
 
 
-def load_reward(specs: tuple[str, ...], task) -> Reward:
+def term_name(spec: str) -> str:
+    """The name a --reward term is logged under (reward/<name>_mean): 'my.py:fn:0.5' -> 'fn'."""
+    return parse_reward_spec(spec)[0].rpartition(":")[2]
+
+
+def load_reward(specs: tuple[str, ...], task, timeout: float = 0.0) -> Reward:
     """The run's reward: the task's own (`correct`) without --reward flags, else their weighted
-    sum. Each function is checked now, before anything heavy: it must take (completion,
-    example) and return a finite number on a probe, the first train example's own answer."""
+    sum; each call may take `timeout` seconds (--reward-timeout, 0: no limit). Each function is
+    checked now, before anything heavy: it must take (completion, example) and return a finite
+    number in time on a probe, the first train example's own answer."""
+    need(math.isfinite(timeout) and timeout >= 0, f"--reward-timeout must be >= 0 seconds (0: no limit), got {timeout}")
     terms = []
     for spec in specs or ("correct",):
         target, weight = parse_reward_spec(spec)
+        name = term_name(spec)
         if target in BUILTIN_REWARDS:
-            name, fn = target, BUILTIN_REWARDS[target](task)
+            fn = BUILTIN_REWARDS[target](task)
         else:
             fn = load_function(target, "--reward")
-            name = target.rpartition(":")[2]
             try:
                 inspect.signature(fn).bind("completion", {})
             except TypeError:
@@ -174,19 +273,50 @@ def load_reward(specs: tuple[str, ...], task) -> Reward:
         if any(t.name == name for t in terms):
             raise ConfigError(f"--reward {spec!r}: two reward terms are named {name!r}; each is logged as "
                               f"reward/<name>_mean, so names must differ")
+        need(name != TIMEOUTS, f"--reward {spec!r}: the name {TIMEOUTS!r} is taken (reward/timeouts counts the "
+                               f"calls past --reward-timeout); rename the function")
         terms.append(RewardTerm(name, fn, weight, spec))
-    probe = task.train[0]
+    reward, probe = Reward(terms, timeout), task.train[0]
     for term in terms:
         try:
-            term(str(probe.get("answer", "")), probe)
+            value = reward.call(term, str(probe.get("answer", "")), probe)
         except RunError as e:
             raise ConfigError(f"{e} (a probe call with the first train example, before training)") from None
-    return Reward(terms)
+        need(value is not None, f"reward {term.spec!r} ran past --reward-timeout {timeout:g} s on a probe call with "
+                                f"the first train example, before training: fix it, or give it more time")
+    return reward
 
 
 # ---------------------------------------------------------------------------------------
 # a reward model (--reward-model of ppo.py): a learned score instead of a verifier
 # ---------------------------------------------------------------------------------------
+
+def check_reward_model(name_or_path: str) -> None:
+    """--reward-model, before anything heavy: found (check_model), and a sequence-classification model
+    whose checkpoint holds every weight, its score head included. A causal LM loads as one too, with a
+    new, random head (transformers reports it MISSING): refused. Loaded on the meta device, so only
+    the checkpoint's weight names are read."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    from common.models import check_model, resolve_model
+
+    check_model(name_or_path, "--reward-model")
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # transformers' report of the missing weights: ours is one line
+    try:
+        _, info = AutoModelForSequenceClassification.from_pretrained(
+            resolve_model(name_or_path), num_labels=1, device_map="meta", output_loading_info=True)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ConfigError(f"--reward-model {name_or_path!r} does not load as a sequence-classification model with "
+                          f"one label ({(str(e).strip().splitlines() or [type(e).__name__])[0]})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    missing = sorted(info["missing_keys"])
+    need(not missing, f"--reward-model {name_or_path!r} has no trained score head: its checkpoint lacks "
+                      f"{', '.join(missing[:3])}, which would start at random (a causal LM is no reward model); "
+                      f"give a sequence-classification model with one label")
+
 
 def load_reward_model(name_or_path: str, dtype: str, device: str):
     """(model, tokenizer) of a sequence-classification reward model with one label, frozen. Its

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import json
 import os
 import random
@@ -17,6 +18,7 @@ import socket
 import sys
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +31,11 @@ from common.curves import write_curves
 from common.engine import evaluate
 from common.interrupt import GracefulInterrupt
 from common.errors import ConfigError, RunError, need
+from common.guard import check_finite_weights
 from common.models import is_lora, merged_state_dict, save_model
+
+# torch.distributed.checkpoint warns that a save or load without a process group is one process's: as meant
+warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized", UserWarning)
 
 
 def seed_everything(seed: int) -> None:
@@ -62,6 +68,7 @@ def set_rng_state(state: dict) -> None:
 # ---------------------------------------------------------------------------------------
 
 RUN_FILES = ("args.json", "metrics.jsonl", "completions.jsonl", "checkpoints", "final", "summary.json", "curves.png")
+LOCK_FILE = ".lock"  # a running run's lock on its folder (lock_folder): no run's progress, never emptied
 
 
 class Run:
@@ -73,15 +80,22 @@ class Run:
     resumed run continues in its checkpoint's folder, from that checkpoint's step, and drops
     what the abandoned continuation wrote after it; with another --output-dir it continues
     in that (new or empty) folder instead and leaves the original alone. Start accuracy and
-    wall time are carried across resumes, so summary.json describes the whole run."""
+    wall time are carried across resumes, so summary.json describes the whole run. The run
+    holds its folder's lock (LOCK_FILE) until close(): no other run starts, empties or resumes
+    there meanwhile."""
 
     def __init__(self, args):
         self.args, self.script = args, script_name(type(args))
         self.t_start = time.perf_counter()
-        # rank 0 checks and writes the folder; the others learn where it is (or its error)
-        self.dir, self.start_step, self.accuracy_start, self.wall_time_before = dist.on_main(self._open, args)
-        args.output_dir = self.dir  # args.json and checkpoints record where the run lives
-        check_shared_folder(self.dir)  # every rank writes its checkpoint shard into it
+        self.lock = None  # rank 0's, once it has the folder
+        try:
+            # rank 0 checks and writes the folder; the others learn where it is (or its error)
+            self.dir, self.start_step, self.accuracy_start, self.wall_time_before = dist.on_main(self._open, args)
+            args.output_dir = self.dir  # args.json and checkpoints record where the run lives
+            check_shared_folder(self.dir)  # every rank writes its checkpoint shard into it
+        except BaseException:
+            self.unlock()  # a run refused at its start leaves no lock file behind
+            raise
         args.resume = dist.broadcast(args.resume)  # rank 0's checkpoint, whatever another node's working folder
         self.launch = {"world_size": dist.world_size(), "device": "cuda" if torch.cuda.is_available() else "cpu"}
         self.logger = MetricsLogger(self.dir, args, self.start_step, args.tensorboard, args.track, args.wandb_project,
@@ -98,35 +112,33 @@ class Run:
             print(f"resume: continuing {args.resume} in a new run folder, {folder}")
         else:
             folder = run_folder_of(args.resume)
-            self._drop_after(folder, info["step"])
+            self.lock = lock_folder(folder)
+            self._drop_after(folder, info["step"], args.discard_later)
         return folder, info["step"], info["accuracy_start"], info["wall_time_s"]
 
     def _new_folder(self, args) -> str:
-        if args.output_dir is None:
-            task = re.sub(r"[^A-Za-z0-9_.-]+", "-", args.task).strip("-")  # jsonl:PATH must not nest folders
-            base = os.path.join("runs", f"{args.exp_name}__{task}__{args.seed}__{int(time.time())}")
-            path, n = base, 1
-            while os.path.exists(path):  # two runs started in the same second
-                path, n = f"{base}_{n}", n + 1
-        else:
-            path = os.path.expanduser(args.output_dir)
-        path = os.path.abspath(path)
+        path = default_folder(args) if args.output_dir is None else os.path.abspath(os.path.expanduser(args.output_dir))
         need(not os.path.exists(path) or os.path.isdir(path), f"--output-dir {path!r} is a file, not a folder")
         entries = os.listdir(path) if os.path.isdir(path) else []
-        foreign = sorted(e for e in set(entries) - set(RUN_FILES) - {"tensorboard", "wandb"}
+        foreign = sorted(e for e in set(entries) - set(RUN_FILES) - {LOCK_FILE, "tensorboard", "wandb"}
                          if not e.startswith(SHARED_MARKER))  # one a killed start left
         need(not foreign, f"--output-dir {path!r} holds files that no run wrote ({', '.join(foreign[:4])}): "
                           f"choose a new or empty folder")
-        if holds_progress(path):
-            need(args.overwrite, f"--output-dir {path!r} already holds a run ({', '.join(sorted(entries))}): "
-                                 f"resume it with --resume {path}, choose another folder, or pass --overwrite "
-                                 f"to replace it")
-            print(f"--overwrite: emptying {path}")
         try:  # a folder we cannot write to fails here, in one line, not at the first metric
+            os.makedirs(path, exist_ok=True)
+            self.lock = lock_folder(path)  # from here on no other run writes there: look again
+            entries = [e for e in os.listdir(path) if e != LOCK_FILE]
+            if holds_progress(path):
+                need(args.overwrite, f"--output-dir {path!r} already holds a run ({', '.join(sorted(entries))}): "
+                                     f"resume it with --resume {path}, choose another folder, or pass --overwrite "
+                                     f"to replace it")
+                inside = inputs_inside(args, path)
+                need(not inside, f"{'; '.join(inside)} lies inside {path}, which --overwrite would empty: move it "
+                                 f"out first, or choose another --output-dir")
+                print(f"--overwrite: emptying {path}")
             for entry in entries:  # an earlier run's (--overwrite), or one that died before its first step
                 full = os.path.join(path, entry)
                 shutil.rmtree(full) if os.path.isdir(full) and not os.path.islink(full) else os.remove(full)
-            os.makedirs(path, exist_ok=True)
             probe = os.path.join(path, ".write-test")
             with open(probe, "w") as f:
                 f.write("ok")
@@ -136,13 +148,23 @@ class Run:
         return path
 
     @staticmethod
-    def _drop_after(folder: str, step: int) -> None:
-        """Resuming from an earlier checkpoint abandons what the run wrote after it."""
+    def _drop_after(folder: str, step: int, discard_later: bool) -> None:
+        """Resuming in place abandons what the run wrote after the checkpoint: what a crash or
+        Ctrl-C left (half-written saves; metrics, see open_until) at once, but later checkpoints
+        or a later final model only with --discard-later (a mistyped step must not delete them)."""
         later = [p for p in Path(folder, "checkpoints").glob("step_*")
                  if not p.name[5:].isdigit() or int(p.name[5:]) > step]
         for name in ("final", "final.tmp", "summary.json", "curves.png"):
             if os.path.exists(os.path.join(folder, name)):
                 later.append(Path(folder, name))
+        later_steps = sorted(int(p.name[5:]) for p in later if p.name[5:].isdigit())
+        lost = [f"checkpoints {', '.join(f'step_{s}' for s in later_steps)}"] if later_steps else []
+        if os.path.isdir(os.path.join(folder, "final")) and final_step(folder) != step:  # else the checkpoint's model
+            lost.append("final/")
+        need(not lost or discard_later,
+             f"--resume {os.path.join(folder, 'checkpoints', f'step_{step}')} would discard what the run saved "
+             f"after step {step} ({', '.join(lost)}): pass --discard-later to drop them, or continue in a new "
+             f"folder with --output-dir NEW (this one stays as it is)")
         if later:
             print(f"resume: removing what the run wrote after step {step}: {', '.join(sorted(p.name for p in later))}")
         for p in later:
@@ -183,7 +205,8 @@ class Run:
     def evaluate(self) -> dict:
         """Greedy held-out accuracy and reward (rank 0's, on every rank), prompts as in training."""
         a = self.args
-        return evaluate(self.llm, self.tokenizer, self.task, a.max_new_tokens, a.chat_template, a.system_prompt)
+        return evaluate(self.llm, self.tokenizer, self.task, a.max_new_tokens, a.chat_template, a.system_prompt,
+                        a.reward_timeout)
 
     def restore(self, models: dict, optimizer, scheduler, prompt_sampler) -> dict:
         """Keeps what a checkpoint holds (models by name, the optimizer, the learning-rate schedule,
@@ -202,10 +225,10 @@ class Run:
         """for step in run.steps(): the steps left, under a progress bar (rank 0), with Ctrl-C and
         SIGTERM caught: the first one lets the step finish, and end_step saves and exits."""
         a = self.args
-        self.progress = tqdm(range(self.start_step, a.steps), initial=self.start_step, total=a.steps,
-                             desc=a.exp_name, disable=not dist.is_main())
-        with GracefulInterrupt() as self.interrupt:
-            yield from self.progress
+        # end_step moves the bar: it shows the steps ended, also the one a stop saves
+        self.progress = tqdm(initial=self.start_step, total=a.steps, desc=a.exp_name, disable=not dist.is_main())
+        with self.progress, GracefulInterrupt() as self.interrupt:
+            yield from range(self.start_step, a.steps)
 
     def end_step(self, step: int, metrics: dict, **algorithm_state) -> None:
         """After step `step`: the metrics averaged over ranks, the held-out evaluation when due
@@ -215,22 +238,37 @@ class Run:
         a = self.args
         metrics = dist.mean_over_ranks(metrics)
         if (a.eval_every and step % a.eval_every == 0) or step == a.steps:
-            self.eval_metrics = self.evaluate()
+            try:
+                self.eval_metrics = self.evaluate()
+            except RunError as e:  # the task's reward failed on a held-out completion: the step is kept first
+                self.log(step, metrics)
+                path = self.save_step(step, algorithm_state)
+                raise RunError(f"{e} (evaluating after step {step}, which is saved: --resume {path})") from None
             metrics.update(self.eval_metrics)
         self.log(step, metrics)
+        self.progress.n = step
         self.progress.set_postfix(reward=f"{float(metrics['reward/mean']):.3f}",
-                             eval_acc=f"{self.eval_metrics['eval/accuracy']:.3f}",
-                             kl=f"{float(metrics.get('kl/ref', 0.0)):.4f}")
+                                  eval_acc=f"{self.eval_metrics['eval/accuracy']:.3f}",
+                                  kl=f"{float(metrics.get('kl/ref', 0.0)):.4f}")
         stop = self.interrupt.stop()  # under torchrun every rank stops after the same step
         if (a.save_every and step % a.save_every == 0) or stop:
-            models, optimizer, scheduler, prompt_sampler = self.saved
-            state = {"scheduler": scheduler.state_dict(), "prompt_sampler": prompt_sampler.get_state(),
-                     **algorithm_state}
-            path = self.save_checkpoint(step, models, self.tokenizer, state, optimizer)
+            path = self.save_step(step, algorithm_state)
             if stop:
+                self.progress.close()  # its line ends before this one
                 print(f"saved checkpoint {path}; continue with --resume {path}")
                 self.close()
                 sys.exit(self.interrupt.exit_code)
+
+    def save_step(self, step: int, algorithm_state: dict) -> str:
+        """checkpoints/step_N of what restore() keeps, and algorithm_state; returns its path."""
+        models, optimizer, scheduler, prompt_sampler = self.saved
+        state = {"scheduler": scheduler.state_dict(), "prompt_sampler": prompt_sampler.get_state(), **algorithm_state}
+        return self.save_checkpoint(step, models, self.tokenizer, state, optimizer)
+
+    def say(self, message: str) -> None:
+        """One line on stderr, of its own above the progress bar; rank 0's (the ranks decide alike)."""
+        if dist.is_main():
+            tqdm.write(message, file=sys.stderr)
 
     def wall_time(self) -> float:
         return self.wall_time_before + time.perf_counter() - self.t_start
@@ -246,6 +284,7 @@ class Run:
         info = {"script": self.script, "step": step, "accuracy_start": self.accuracy_start,
                 "wall_time_s": self.wall_time(), **self.launch, "args": dataclasses.asdict(self.args)}
         weights = {name: dist.full_state_dict(model) for name, model in models.items()}  # whole on rank 0
+        dist.on_main(check_finite_weights, models, weights, f"checkpoint {path}")  # every rank stops alike
         optimizer_state = {"optimizer": dist.optimizer_state_dict(models, optimizer)}
         with atomic_folder(path) if dist.is_main() else contextlib.nullcontext(path + ".tmp") as tmp:
             dist.barrier()  # rank 0 made the folder
@@ -275,6 +314,7 @@ class Run:
         """final/ (a model folder, merged under LoRA, written atomically) and summary.json."""
         final_dir = os.path.join(self.dir, "final")
         weights = dist.full_state_dict(model)  # every rank takes part; whole on rank 0
+        dist.on_main(check_finite_weights, {"policy": model}, {"policy": weights}, final_dir)  # every rank stops alike
         # LoRA under FSDP: the merged weights gathered a tensor at a time (a sharded model cannot merge in place)
         merged = merged_state_dict(model) if is_lora(model) and dist.world_size() > 1 else None
         if dist.is_main():
@@ -288,10 +328,18 @@ class Run:
         print(f"done: held-out accuracy {start} -> {eval_metrics['eval/accuracy']:.3f}; final model in {final_dir}")
 
     def close(self) -> None:
-        """Closes the logs and draws curves.png from metrics.jsonl (at the end and on Ctrl-C)."""
+        """Closes the logs, draws curves.png from metrics.jsonl (at the end and on Ctrl-C) and
+        releases the folder."""
         if self.logger is not None:
             self.logger.close()
             write_curves(self.dir)
+        self.unlock()
+
+    def unlock(self) -> None:
+        if self.lock is not None:
+            os.remove(self.lock.name)  # while locked: a run waiting on this file retries (lock_folder)
+            self.lock.close()
+            self.lock = None
 
 
 SHARED_MARKER = ".rank0-made-this-"
@@ -323,6 +371,74 @@ def check_shared_folder(path: str) -> None:
         raise RunError(f"{', '.join(blind)} cannot see the run folder {path} that rank 0 (on {views[0][1]}) "
                        f"made: every rank writes its checkpoint shard there, so put --output-dir on a "
                        f"filesystem that every node shares")
+
+
+def default_folder(args) -> str:
+    """runs/EXP_NAME__TASK__SEED__TIME, made here: os.mkdir fails on a folder that exists, so of two
+    runs started in the same second each makes its own (the second one's name ends in _1)."""
+    task = re.sub(r"[^A-Za-z0-9_.-]+", "-", args.task).strip("-")  # jsonl:PATH must not nest folders
+    base = os.path.abspath(os.path.join("runs", f"{args.exp_name}__{task}__{args.seed}__{int(time.time())}"))
+    path, n = base, 1
+    try:
+        os.makedirs(os.path.dirname(base), exist_ok=True)
+        while True:
+            try:
+                os.mkdir(path)
+                return path
+            except FileExistsError:
+                path, n = f"{base}_{n}", n + 1
+    except OSError as e:
+        raise ConfigError(f"cannot make the run folder {path!r}: {e.strerror or e}; give --output-dir") from None
+
+
+def lock_folder(path: str):
+    """Locks the run folder path for this process: an exclusive flock on path/LOCK_FILE, which says
+    who holds it (pid, host). Released by Run.unlock, or by the OS when the process ends however it
+    ends, so a crashed run's folder is free at once. Another process's lock is one line."""
+    lock_path = os.path.join(path, LOCK_FILE)
+    while True:
+        lock = open(lock_path, "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "starting"
+            lock.close()
+            raise ConfigError(f"the run folder {path} is in use by another run ({holder}): wait for it to end, or "
+                              f"choose another --output-dir") from None
+        try:  # the file its holder removed while releasing it (Run.unlock) locks nothing: open it again
+            if os.path.samestat(os.fstat(lock.fileno()), os.stat(lock_path)):
+                break
+        except FileNotFoundError:
+            pass
+        lock.close()
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    return lock
+
+
+def inputs_inside(args, folder: str) -> list[str]:
+    """The flags, any of them (models, task and reward files, the checkpoint), whose value or a part
+    of it (FILE.py:FUNCTION, jsonl:PATH) is an existing path inside folder: "--model 'runs/X/final'"."""
+    folder = os.path.realpath(folder)
+    found = []
+    for field in dataclasses.fields(args):
+        values = getattr(args, field.name)
+        for value in values if isinstance(values, tuple) else (values,):
+            paths = (value, *value.split(":")) if isinstance(value, str) and field.name != "output_dir" else ()
+            if any(os.path.exists(p) and os.path.commonpath([os.path.realpath(p), folder]) == folder for p in paths):
+                found.append(f"--{field.name.replace('_', '-')} {value!r}")
+    return found
+
+
+def final_step(folder: str) -> int | None:
+    """The step a run folder's final/ was saved at (summary.json, written right after it); None if unknown."""
+    try:
+        with open(os.path.join(folder, "summary.json")) as f:
+            return int(json.load(f)["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def holds_progress(path: str) -> bool:

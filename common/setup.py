@@ -10,7 +10,7 @@ import torch
 
 from common import dist
 from common.args import check_args
-from common.models import check_model, encode_prompts, load_tokenizer
+from common.models import check_lora_targets, check_model, encode_prompts, load_tokenizer
 from common.rewards import load_reward
 from common.tasks import load_task
 
@@ -20,8 +20,10 @@ def prepare(args, check, min_completions: int = 2):
     (common/args.py check_args), then the algorithm's own (check(args)). min_completions: the
     smallest group the algorithm's advantage can use."""
     config = check_model(args.model)
+    if args.lora_rank:
+        check_lora_targets(config, args.lora_target_modules)
     task = load_task(args.task, seed=args.seed)
-    reward_fn = load_reward(args.reward, task)  # checked on a probe
+    reward_fn = load_reward(args.reward, task, args.reward_timeout)  # checked on a probe
     tokenizer = load_tokenizer(args.model)
     max_prompt_len = max(len(p) for p in encode_prompts(tokenizer, [e["prompt"] for e in task.train + task.eval],
                                                         args.chat_template, args.system_prompt))

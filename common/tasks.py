@@ -31,16 +31,17 @@ import ast
 import functools
 import inspect
 import json
-import math
+import logging
 import os
 import random
+import signal
 import threading
 from dataclasses import dataclass
 from typing import Callable
 
 from common.errors import ConfigError
 from common.hub import hub_reachable
-from common.rewards import load_function
+from common.rewards import checked_call, load_function
 
 
 @dataclass
@@ -51,14 +52,9 @@ class Task:
     reward_fn: Callable[[str, dict], float]
 
     def reward(self, completion: str, example: dict) -> float:
-        """The task's reward, checked: a NaN or a non-number is a bug in the task, not a 0."""
-        r = self.reward_fn(completion, example)
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
-            raise ConfigError(
-                f"task {self.name!r}: reward function returned {r!r} for completion "
-                f"{completion!r}; it must return a finite number"
-            )
-        return float(r)
+        """The task's reward, checked as the reward terms are (common/rewards.py checked_call): an
+        exception, a NaN or a non-number is a bug in the task, not a 0, said in one line."""
+        return checked_call(self.reward_fn, completion, example, f"task {self.name!r}: reward function")
 
 
 # ---------------------------------------------------------------------------------------
@@ -121,9 +117,19 @@ MATH_FORMAT = "Solve the problem step by step, then put your final answer within
 
 
 def _math_verify_timeout() -> int | None:
-    """math-verify times out a slow parse with SIGALRM, which works in the main thread only;
-    elsewhere (a worker thread) it runs without a timeout instead of raising."""
-    return 5 if threading.current_thread() is threading.main_thread() else None
+    """math-verify times out a slow parse with SIGALRM (signal.alarm), which works in the main
+    thread only, and would replace a running timer and cancel it on return: None (no timeout of its
+    own) in a worker thread, or within --reward-timeout's limit (common/rewards.py time_limit), which
+    then bounds the whole call; else 5 s."""
+    if threading.current_thread() is not threading.main_thread() or signal.getitimer(signal.ITIMER_REAL)[0] > 0:
+        return None
+    return 5
+
+
+# math-verify warns once when it runs without a timeout of its own (None above): the scripts'
+# --reward-timeout bounds the call instead
+for _logger in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_logger).addFilter(lambda record: not record.getMessage().startswith("Timeout is disabled"))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -451,7 +457,7 @@ def user_task(spec: str, seed: int) -> Task:
         task = make_task(**kwargs)
     except ConfigError:
         raise
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         raise ConfigError(f"--task {spec!r} raised {type(e).__name__}: {e}") from None
     if not isinstance(task, Task):
         raise ConfigError(f"--task {spec!r} returned {type(task).__name__}, not a Task "
@@ -460,10 +466,12 @@ def user_task(spec: str, seed: int) -> Task:
         examples = getattr(task, split)
         if not isinstance(examples, list) or not examples:
             raise ConfigError(f"--task {spec!r}: Task.{split} must be a non-empty list of examples")
-        bad = next((e for e in examples if not isinstance(e, dict) or not isinstance(e.get("prompt"), str)), None)
+        # an empty prompt would stop vLLM mid-run (no token to start from)
+        bad = next((i for i, e in enumerate(examples) if not isinstance(e, dict) or not isinstance(e.get("prompt"), str)
+                    or not e["prompt"].strip()), None)
         if bad is not None:
-            raise ConfigError(f"--task {spec!r}: every example of Task.{split} must be a dict with a "
-                              f"\"prompt\" string, got {str(bad)[:80]}")
+            raise ConfigError(f"--task {spec!r}: Task.{split}[{bad}] is {str(examples[bad])[:80]}; every example must "
+                              f"be a dict with a non-empty \"prompt\" string")
     if not callable(task.reward_fn):
         raise ConfigError(f"--task {spec!r}: Task.reward_fn must be a function (completion, example) -> float")
     return task

@@ -1,9 +1,10 @@
 """common/curves.py on synthetic metrics.jsonl: the picture's panels follow the metrics a run
 logged, the time panel stacks the parts of a step, accuracy is drawn on the eval steps only, a
-run with nothing to draw writes nothing and raises nothing, and the command line (two runs,
-bad input)."""
+NaN or inf is marked, a run of one step has a readable axis, a run with nothing to draw writes
+nothing and raises nothing, and the command line (two runs, bad input)."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -62,6 +63,38 @@ def test_accuracy_on_eval_steps_and_time_stacked():
     ax = Figure().subplots()  # several runs: each run's total step time, no parts
     curves.draw_time(ax, [("a", rows), ("b", rows)], ["C0", "C1"])
     assert [line.get_label() for line in ax.lines] == ["a", "b"] and not ax.collections
+
+
+def panel(fig, title: str):
+    return next(ax for ax in fig.axes if ax.get_title() == title)
+
+
+def test_nan_and_inf_are_marked_and_the_axis_stays_on_the_finite_values(tmp_path):
+    """A diverged metric (metrics.jsonl holds NaN and Infinity as json writes them): an x at each
+    such step on the panel's top edge, explained in its legend; the y axis spans the finite values."""
+    rows = make_run(tmp_path, steps=6)
+    rows[3]["reward/mean"], rows[5]["reward/mean"], rows[4]["kl/ref"] = math.nan, math.inf, -math.inf
+    make_run(tmp_path, lines="".join(json.dumps(r) + "\n" for r in rows))
+    fig = curves.make_figure([str(tmp_path)])
+    reward, kl = panel(fig, "reward (rollout mean)"), panel(fig, "KL to the reference")
+    for ax, steps in ((reward, [3, 5]), (kl, [4])):
+        marks = [line for line in ax.lines if line.get_marker() == "x"]
+        assert [list(m.get_xdata()) for m in marks] == [steps]
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == ["NaN or inf"]
+    low, high = reward.get_ylim()
+    assert 0 < low < 0.2 and 1.2 < high < 1.5  # the finite rewards: 0.2 .. 1.2
+    assert panel(fig, "held-out accuracy").get_legend() is None  # nothing to mark
+
+
+def test_a_run_of_one_step_has_a_readable_step_axis(tmp_path):
+    """Step 0's evaluation and one step: every panel spans steps 0 and 1 with a margin, ticked at
+    0 and 1 (a single point alone would get limits 0.95 .. 1.05 and ticks in between)."""
+    make_run(tmp_path, steps=1)
+    fig = curves.make_figure([str(tmp_path)])
+    for ax in [ax for ax in fig.axes if ax.get_visible()]:
+        low, high = ax.get_xlim()
+        assert low == -0.5 and high == 1.5, ax.get_title()
+        assert [t for t in ax.get_xticks() if low <= t <= high] == [0, 1], ax.get_title()
 
 
 def test_nothing_to_draw_writes_nothing(tmp_path, capsys):

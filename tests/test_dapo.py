@@ -9,6 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import dapo
+from common.args import parse_args
+from common.errors import ConfigError
+from common.setup import prepare
 from dapo import keep_groups, overlong_penalty
 from tests.conftest import TINY_MODEL
 from tests.test_grpo_e2e import SMALL, STEP_METRICS, read_metrics
@@ -68,11 +71,11 @@ def test_run_logs_dynamic_sampling_and_the_overlong_penalty(tmp_path, run_main):
 
 
 @pytest.mark.parametrize("kept", ["none", "first"])
-def test_a_capped_step_trains_on_what_it_kept(kept, tmp_path, run_main, monkeypatch):
+def test_a_capped_step_trains_on_what_it_kept(kept, tmp_path, run_main, monkeypatch, capsys):
     """keep_groups replaced: each round keeps no group, or only its first. Two rounds of 3
-    prompts then give no update, or a batch of 2 groups x 4 = 8 rows, which 3 minibatches
-    split as 3 + 3 + 2: three optimizer steps (split(8 // 3) would make four), seen in the warmup's
-    learning rate."""
+    prompts then give no update (said on stderr), or a batch of 2 groups x 4 = 8 rows, which 3
+    minibatches split as 3 + 3 + 2: three optimizer steps (split(8 // 3) would make four), seen in
+    the warmup's learning rate."""
     def only(group):
         return lambda rewards, group_size: torch.arange(len(rewards) // group_size) == group
 
@@ -83,6 +86,8 @@ def test_a_capped_step_trains_on_what_it_kept(kept, tmp_path, run_main, monkeypa
                     "--warmup-steps", "10", "--micro-batch-size", "3", "--max-new-tokens", "10")
     m = read_metrics(out)[1]
     assert m["rollout/sampling_rounds"] == 2
+    no_update = "step 1: no update: dynamic sampling kept no group with unequal rewards in 2 rounds"
+    assert (no_update in capsys.readouterr().err) == (kept == "none")
     if kept == "none":
         assert m["rollout/kept_groups"] == 0 and m["rollout/dropped_group_frac"] == 1.0
         assert "loss/total" not in m and m["optim/lr"] == pytest.approx(args.lr / 11)  # the scheduler never stepped
@@ -106,3 +111,12 @@ def test_kept_groups_are_shared_whole_and_evenly(monkeypatch):
     monkeypatch.setattr(dist, "world_size", lambda: 1)
     monkeypatch.setattr(dist, "rank", lambda: 0)
     assert dist.share_whole(["a", "b", "c", "d", "e"]) == (["a", "b", "c", "d", "e"], 5)
+
+
+def test_a_reward_term_named_overlong_is_refused(tmp_path):
+    """DAPO logs its length penalty as reward/overlong: a term of that name would be overwritten by it."""
+    user = tmp_path / "mine.py"
+    user.write_text("def overlong(completion, example):\n    return 0.0\n")
+    args = parse_args(dapo.Args, ["--model", TINY_MODEL, "--reward", f"{user}:overlong:0.5"])
+    with pytest.raises(ConfigError, match="a term named 'overlong' would be mixed up with DAPO's length penalty"):
+        prepare(args, dapo.check)

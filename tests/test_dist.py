@@ -46,7 +46,7 @@ def launch(tmp_path_factory):
     Each rank records the collectives it calls (tests/dist_runner.py)."""
     tmp = tmp_path_factory.mktemp("dist")
     runs = [["grpo.py", "--steps", "2", "--save-every", "1", "--output-dir", tmp / "grpo", *SMALL],
-            ["grpo.py", "--steps", "3", "--resume", tmp / "grpo" / "checkpoints" / "step_1"],
+            ["grpo.py", "--steps", "3", "--resume", tmp / "grpo" / "checkpoints" / "step_1", "--discard-later"],
             ["ppo.py", "--steps", "2", "--save-every", "1", "--output-dir", tmp / "ppo", *SMALL],
             ["ppo.py", "--steps", "3", "--resume", tmp / "ppo"],
             *[[s, "--steps", "1", "--save-every", "0", "--output-dir", tmp / s[:-3], *small(s)] for s in OTHERS],

@@ -99,3 +99,16 @@ def test_a_lora_run_learns_the_default_task(tmp_path, run_main):
     run_main("grpo.py", "--lora-rank", "16", "--lr", "2e-3", "--steps", "6", "--eval-every", "6", "--output-dir", out)
     metrics = read_metrics(out)
     assert metrics[-1]["eval/accuracy"] >= metrics[0]["eval/accuracy"] + 0.3, (metrics[0], metrics[-1])
+
+
+def test_target_modules_that_match_nothing_are_one_line_before_anything_heavy():
+    import grpo
+    from common.args import parse_args
+    from common.errors import ConfigError
+    from common.setup import prepare
+
+    args = parse_args(grpo.Args, ["--model", TINY_MODEL, "--lora-rank", "4", "--lora-target-modules", "c_attn", "c_fc"])
+    with pytest.raises(ConfigError, match=r"--lora-target-modules c_attn c_fc: Target modules .* not found in the "
+                                          r"base model.* linear layers: .*q_proj"):
+        prepare(args, grpo.check)
+    prepare(parse_args(grpo.Args, ["--model", TINY_MODEL, "--lora-rank", "4"]), grpo.check)  # the defaults match

@@ -142,34 +142,37 @@ def rollout_batch(tokenizer_len: int = 20):
     return make_batch(prompts, completions, 0, "cpu"), g
 
 
-def run_update(script, policy, critic, batch: dict, micro_batch_size: int, **flags):
-    """The script's own update on one rollout batch, as its loop calls it, with a recorder for an
-    optimizer (no clipping: max_grad_norm 1e9): returns the minibatch losses and the gradients
-    the optimizer steps saw."""
+def call_update(script, policy, critic, batch: dict, optimizer, scheduler, **flags) -> dict:
+    """The script's own update on one rollout batch, as its loop calls it (no clipping: max_grad_norm
+    1e9, unless flags say); returns its statistics."""
     module = load_script(script)
-    args = module.Args(kl_coef=0.0, loss_agg="token-mean", micro_batch_size=micro_batch_size, max_grad_norm=1e9,
-                       **flags)
-    optimizer = GradientRecorder(policy.parameters())
-    available = {"policy": policy, "optimizer": optimizer, "scheduler": types.SimpleNamespace(step=lambda: None),
-                 "args": args, "precision": Precision(None, "float32", "float32", vllm_is_cap=2.0), **batch}
+    args = module.Args(**{"kl_coef": 0.0, "loss_agg": "token-mean", "max_grad_norm": 1e9, **flags})
+    available = {"policy": policy, "optimizer": optimizer, "scheduler": scheduler, "args": args,
+                 "precision": Precision(None, "float32", "float32", vllm_is_cap=2.0), **batch}
     if critic is not None:
         available["critic"] = critic
     torch.manual_seed(0)  # the minibatch permutation
     stats, _ = module.update(**{k: available[k] for k in inspect.signature(module.update).parameters})
+    return stats
+
+
+def run_update(script, policy, critic, batch: dict, micro_batch_size: int, **flags):
+    """call_update with a recorder for an optimizer: returns the minibatch losses and the gradients
+    the optimizer steps saw."""
+    optimizer = GradientRecorder(policy.parameters())
+    stats = call_update(script, policy, critic, batch, optimizer, types.SimpleNamespace(step=lambda: None),
+                        micro_batch_size=micro_batch_size, **flags)
     return stats["loss/total"], optimizer.grads
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_the_scripts_update_gives_one_gradient_whatever_the_micro_batches(script, tiny_policy, tokenizer):
-    """Each script's own update (step 5): micro-batches of 2 rows and one micro-batch of the whole
-    batch give the same losses and gradients (normalizers over the minibatch), to fp32 rounding;
-    where the update can take old log-probs from its own forward (one optimizer step on the
-    batch), doing so gives them too."""
+def update_batch(script, policy, tokenizer):
+    """One rollout batch (rollout_batch) as the script's update takes it, old log-probs from policy's
+    own pass, and PPO's critic (else None)."""
     from common.ops import batched_logprobs
 
     (input_ids, attention_mask, mask), g = rollout_batch()
     B, C = mask.shape
-    old_logprobs = batched_logprobs(tiny_policy, input_ids, attention_mask, C, 1.0, 4)
+    old_logprobs = batched_logprobs(policy, input_ids, attention_mask, C, 1.0, 4)
     batch = dict(input_ids=input_ids, attention_mask=attention_mask, completion_mask=mask, loss_mask=mask,
                  old_logprobs=old_logprobs, ref_logprobs=None,
                  vllm_logprobs=old_logprobs + 0.3 * torch.randn(B, C, generator=g),  # some weights capped at 2
@@ -179,6 +182,17 @@ def test_the_scripts_update_gives_one_gradient_whatever_the_micro_batches(script
         batch["old_values"], batch["returns"] = 0.1 * torch.randn(B, C, generator=g), torch.randn(B, C, generator=g)
     critic = ppo.load_critic(TINY_MODEL, tokenizer, "float32", "cpu") if "old_values" in update_inputs(script) \
         else None
+    return batch, critic
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_scripts_update_gives_one_gradient_whatever_the_micro_batches(script, tiny_policy, tokenizer):
+    """Each script's own update (step 5): micro-batches of 2 rows and one micro-batch of the whole
+    batch give the same losses and gradients (normalizers over the minibatch), to fp32 rounding;
+    where the update can take old log-probs from its own forward (one optimizer step on the
+    batch), doing so gives them too."""
+    batch, critic = update_batch(script, tiny_policy, tokenizer)
+    B = batch["loss_mask"].shape[0]
     one_step = {"num_minibatches": 1} if hasattr(load_script(script).Args, "num_minibatches") else {}
     losses, grads = run_update(script, tiny_policy, critic, batch, B, **one_step)
     assert len(grads) == 1 and grads[0].abs().sum() > 0

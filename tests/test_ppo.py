@@ -157,6 +157,19 @@ def test_critic_starts_at_zero_and_reads_the_state_before_each_token(tokenizer):
     torch.testing.assert_close(values[:, :1], truncated)
 
 
+def test_a_reward_model_without_a_trained_score_head_is_refused(tmp_path, tokenizer):
+    """A causal LM loads as a sequence classifier too, with a new, random score head (transformers
+    reports it MISSING): PPO would train against noise. Refused in check, before anything heavy;
+    a saved reward model passes."""
+    from common.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--reward-model '.*tiny-sort' has no trained score head: its checkpoint "
+                                          r"lacks score.weight"):
+        ppo.check(ppo.Args(reward_model=TINY_MODEL))
+    make_reward_model(tmp_path / "rm", tokenizer)
+    ppo.check(ppo.Args(reward_model=str(tmp_path / "rm")))
+
+
 PPO_METRICS = ["loss/value", "loss/policy", "value/explained_variance", "value/clip_frac", "kl/token_mean",
                "reward/shaped_mean", "policy/approx_kl", "optim/critic_grad_norm"]
 
@@ -197,8 +210,8 @@ def test_ppo_with_reward_model_and_resume(tmp_path, tokenizer, run_main):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--reward-model", "./no-such-rm"], "model path './no-such-rm' does not exist"),
-    (["--critic-model", "./no-such-critic"], "model path './no-such-critic' does not exist"),
+    (["--reward-model", "./no-such-rm"], "--reward-model: model path './no-such-rm' does not exist"),
+    (["--critic-model", "./no-such-critic"], "--critic-model: model path './no-such-critic' does not exist"),
     (["--lam", "1.5"], "--gamma and --lam must be in [0, 1]"),
     (["--vf-clip", "0"], "--vf-clip > 0"),
     (["--target-kl", "-1"], "--target-kl must be positive"),

@@ -3,14 +3,16 @@
 
 import json
 import math
+import signal
+import time
 
 import pytest
 
 from common.errors import ConfigError, RunError
-from common.rewards import format_reward, load_reward, parse_reward_spec
+from common.rewards import Reward, RewardTerm, format_reward, load_reward, parse_reward_spec
 from common.tasks import load_task
 from common.args import parse_args
-from tests.test_grpo_e2e import read_metrics
+from tests.test_grpo_e2e import SMALL, read_metrics
 from tests.test_runs import fake_checkpoint
 
 import grpo
@@ -50,7 +52,7 @@ def test_weighted_sum_of_terms_hand_computed(task):
 
 def test_default_is_the_tasks_own_reward(task):
     total, parts = load_reward((), task)(["123", "12"], [{"answer": "123"}] * 2)
-    assert list(parts) == ["correct"] and total.tolist() == [1.0, 0.0]
+    assert list(parts) == ["correct", "timeouts"] and total.tolist() == [1.0, 0.0]
 
 
 @pytest.mark.parametrize("spec, parsed", [("format", ("format", 1.0)), ("format:0.2", ("format", 0.2)),
@@ -95,6 +97,10 @@ def two_args(a, b): return None
     ("USER:text", "returned '1'"),
     ("USER:boom", "raised KeyError: 'score'"),
     ("format:1e999", "the weight must be a finite number"),
+    ("correct:nan", "the weight must be a finite number, got 'nan'"),
+    ("correct:inf", "the weight must be a finite number, got 'inf'"),
+    ("correct:abc", "the weight 'abc' is not a number"),
+    ("USER:boom:abc", "the weight 'abc' is not a number"),
     ("no_such_module:fn", "cannot import module 'no_such_module'"),
 ])
 def test_bad_reward_is_one_line_naming_file_and_function(task, tmp_path, spec, message):
@@ -112,6 +118,120 @@ def test_reward_failing_during_training_names_it(task, tmp_path):
     reward = load_reward((f"{user}:late_boom",), task)  # the probe passes
     with pytest.raises(RunError, match="late_boom' raised ValueError: cannot read x on completion 'x'"):
         reward(["y", "x"], [{}, {}])
+
+
+HOSTILE_CODE = '''
+import sys
+
+def above_float32(completion, example): return 1e39
+def far_above(completion, example): return 1e300
+def huge_int(completion, example): return 10**400
+def near_max(completion, example): return 3e38
+def timeouts(completion, example): return 0.0
+'''
+
+
+@pytest.fixture()
+def hostile(tmp_path):
+    path = tmp_path / "hostile.py"
+    path.write_text(HOSTILE_CODE)
+    return str(path)
+
+
+@pytest.mark.parametrize("function, shown", [("above_float32", "1e+39"), ("far_above", "1e+300"),
+                                             ("huge_int", "an integer of about 10^400")])
+def test_a_reward_beyond_float32_is_one_line_naming_it(task, hostile, function, shown):
+    """1e39 passes as a Python float but is inf in the float32 reward tensor (then NaN advantages
+    and a NaN model); 10**400 does not even convert (OverflowError)."""
+    with pytest.raises(ConfigError) as e:
+        load_reward((f"{hostile}:{function}",), task)
+    assert f"{function}' returned {shown} for completion" in str(e.value) and "float32" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_weighted_total_beyond_float32_is_one_line(task, hostile):
+    reward = load_reward((f"{hostile}:near_max:2",), task)  # 3e38 fits float32, twice that does not
+    with pytest.raises(ConfigError, match=r"weighted sum of the reward terms \(2 x near_max 3e\+38\) is beyond "
+                                          r"float32's range for completion 'x'"):
+        reward(["x"], [{}])
+
+
+def test_a_term_may_not_take_the_name_of_the_timeout_count(task, hostile):
+    with pytest.raises(ConfigError, match="the name 'timeouts' is taken"):
+        load_reward((f"{hostile}:timeouts",), task)
+
+
+def test_a_reward_file_that_exits_while_imported_is_one_line(task, tmp_path):
+    user = tmp_path / "exits.py"
+    user.write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(ConfigError, match=r"importing '.*exits.py' failed \(SystemExit: 3\)"):
+        load_reward((f"{user}:fn",), task)
+
+
+def sleeps(completion: str, example: dict) -> float:
+    """Far past any limit of these tests, unless the completion is the answer."""
+    if completion != example["answer"]:
+        time.sleep(600)
+    return 1.0
+
+
+def spins(completion: str, example: dict) -> float:
+    """A pure-Python infinite loop that even catches what it can."""
+    while True:
+        try:
+            pass
+        except Exception:
+            pass
+
+
+def test_a_call_past_the_time_limit_scores_zero_is_counted_and_said(capsys):
+    reward = Reward([RewardTerm("sleeps", sleeps, 1.0, "sleeps"), RewardTerm("spins", spins, 0.5, "spins")],
+                    timeout=0.2)
+    total, parts = reward(["123", "321"], [{"answer": "123"}] * 2)
+    assert parts["sleeps"].tolist() == [1.0, 0.0] and parts["spins"].tolist() == [0.0, 0.0]
+    assert parts["timeouts"].tolist() == [1.0, 2.0] and total.tolist() == [1.0, 0.0]
+    assert capsys.readouterr().err == "reward calls past --reward-timeout 0.2 s scored 0: sleeps 1 of 2, spins 2 of 2\n"
+    assert signal.getsignal(signal.SIGALRM) is signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_math_verify_inside_a_reward_keeps_the_time_limit(capsys):
+    """math-verify times itself out with signal.alarm, which would replace the limit's timer and
+    cancel it on return: within a limit it has no timeout of its own, and the limit bounds the call."""
+    from common.tasks import math_reward
+
+    def verifies_then_sleeps(completion, example):
+        math_reward(completion, example)
+        time.sleep(5)  # without the limit the call returns after this, timed out or not
+        return 1.0
+
+    assert math_reward("\\boxed{3}", {"answer": "3"}) == 1.0  # math-verify imported before the limit
+    _, parts = Reward([RewardTerm("verifies", verifies_then_sleeps, 1.0, "verifies")], timeout=0.3)(
+        ["\\boxed{3}"], [{"answer": "3"}])
+    assert parts["timeouts"].tolist() == [1.0]
+    assert "Timeout is disabled" not in capsys.readouterr().err  # math-verify's warning: the limit is its timeout
+
+
+def test_a_reward_that_hangs_on_the_probe_is_refused_before_training(task, tmp_path):
+    user = tmp_path / "hangs.py"
+    user.write_text("import time\ndef hangs(completion, example):\n    time.sleep(600)\n")
+    with pytest.raises(ConfigError, match=r"reward '.*hangs' ran past --reward-timeout 0.2 s on a probe call"):
+        load_reward((f"{user}:hangs",), task, timeout=0.2)
+
+
+def test_a_run_scores_slow_calls_zero_counts_them_and_goes_on(tmp_path, in_root, capsys):
+    """Each completion is the answer (the term returns at once) or sleeps past the limit: the two
+    add up to the batch in every step's metrics, and stderr says so once a step that had any."""
+    out = tmp_path / "run"
+    grpo.main(parse_args(grpo.Args, ["--engine", "transformers", "--task", TASK, "--reward", "tests.test_rewards:sleeps",
+                                     "--reward-timeout", "0.2", "--steps", "2", "--eval-every", "0",
+                                     "--output-dir", str(out), *SMALL, "--prompts-per-step", "2"]))
+    metrics = read_metrics(out)[1:]
+    batch = 2 * 4  # prompts x completions
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["reward/sleeps_mean"] * batch + m["reward/timeouts"] == pytest.approx(batch)
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("reward calls past")]
+    assert len(said) == sum(m["reward/timeouts"] > 0 for m in metrics)
 
 
 @pytest.mark.parametrize("function, message", [
@@ -160,7 +280,7 @@ def test_own_task_and_rewards_train_and_write_completions(tmp_path, run_main, sc
         assert sum(r["advantage"] for r in records[:4]) == pytest.approx(0, abs=1e-4)
 
     # resuming from step 2 drops step 3's records and writes it again
-    run_main(script, "--resume", out / "checkpoints" / "step_2", "--steps", "3")
+    run_main(script, "--resume", out / "checkpoints" / "step_2", "--steps", "3", "--discard-later")  # final/: 3
     records = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1] * 6 + [2] * 6 + [3] * 6
 

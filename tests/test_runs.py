@@ -3,22 +3,26 @@ is refused, Ctrl-C and SIGTERM save, a failed save leaves the previous checkpoin
 model, and bad paths or flags are one line before anything heavy starts."""
 
 import errno
+import io
 import json
 import os
 import signal
 import shutil
+import socket
 import subprocess
 import sys
 import time
 import types
+from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 import torch
 
 from common.errors import ConfigError, RunError
 from common.scripts import algorithm_scripts, load_script
-from common.args import parse_args, RESUMABLE_CHANGES
-from common.run import Run
+import common.interrupt
+from common.args import cli, parse_args, RESUMABLE_CHANGES
+from common.run import LOCK_FILE, Run
 from tests.conftest import ROOT, TINY_MODEL
 from tests.test_grpo_e2e import SMALL, read_metrics
 
@@ -64,6 +68,7 @@ def test_resume_restores_the_saved_arguments_not_the_defaults(tmp_path, capsys):
     (["--lr", "1e-3"], r"--lr 0.0001 \(you asked for 0.001\)"),
     (["--no-scale-rewards"], r"--scale-rewards True \(you asked for False\)"),
     (["--overwrite"], "--overwrite and --resume contradict each other"),
+    (["--steps", "2"], r"--steps 2 is below the step of this checkpoint \(3\)"),  # the model has trained 3
 ])
 def test_resume_refuses_flags_that_define_the_run(tmp_path, flags, message):
     ckpt = fake_checkpoint(tmp_path / "run", 3, prompts_per_step=8, lr=1e-4)
@@ -102,6 +107,50 @@ def test_resume_finds_the_latest_checkpoint_of_a_run_folder_and_refuses_half_wri
     os.remove(os.path.join(latest, "run.json"))
     with pytest.raises(ConfigError, match="older version of these scripts"):
         parse_args(grpo.Args, ["--resume", latest])
+
+
+def test_resume_of_a_run_that_saved_no_checkpoint_says_so(tmp_path):
+    run = tmp_path / "run"  # a run that ended (or died) before its first save: args.json, metrics, no checkpoints/
+    run.mkdir()
+    (run / "args.json").write_text(json.dumps(vars(grpo.Args(save_every=50))))
+    (run / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.5}\n')
+    with pytest.raises(ConfigError, match=r"this run saved no checkpoint \(--save-every 50: every 50 steps and on "
+                                          r"Ctrl-C or SIGTERM\), so there is nothing to resume"):
+        parse_args(grpo.Args, ["--resume", str(run)])
+
+
+FRAGILE_TASK = """
+from common.tasks import Task
+
+def make_task():
+    train = [{"prompt": f"sort {d}:", "answer": "".join(sorted(d))} for d in ("321", "54", "987", "6402")]
+    evaluations = []
+
+    def reward(completion, example):
+        if example.get("held_out"):
+            evaluations.append(completion)
+            if len(evaluations) > 1:  # the start's evaluation passes, the next one fails
+                raise ValueError("cannot read it")
+        return float(completion.strip() == example["answer"])
+
+    return Task("fragile", train, [{"prompt": "sort 531:", "answer": "135", "held_out": True}], reward)
+"""
+
+
+def test_a_verifier_failing_in_a_mid_run_evaluation_saves_the_step_first(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    (tmp_path / "fragile.py").write_text(FRAGILE_TASK)
+    out = tmp_path / "run"
+    args = parse_args(grpo.Args, ["--engine", "transformers", "--task", f"{tmp_path / 'fragile.py'}:make_task",
+                                  "--steps", "3", "--eval-every", "1", "--save-every", "0", "--output-dir", str(out),
+                                  *SMALL])
+    with pytest.raises(RunError) as e:
+        grpo.main(args)
+    step_1 = out / "checkpoints" / "step_1"
+    message = str(e.value)
+    assert message.startswith("task 'fragile': reward function raised ValueError: cannot read it on completion '")
+    assert message.endswith(f"(evaluating after step 1, which is saved: --resume {step_1})") and "\n" not in message
+    assert (step_1 / "trainer_state.pt").is_file() and [m["step"] for m in read_metrics(out)] == [0, 1]
 
 
 def test_main_refuses_a_mismatched_resume_too(tmp_path):
@@ -163,6 +212,138 @@ def test_default_run_folder_name_does_not_nest_a_task_path(tmp_path, monkeypatch
     assert name.startswith("runs/grpo__jsonl-data-train.jsonl__3__") and name.count("/") == 1
 
 
+def test_a_running_run_holds_its_folder(tmp_path):
+    """Two runs into one folder never mix it: while a run holds its folder's lock (flock: a second
+    open of the lock file conflicts even in this one process), another run there is refused in one
+    line naming the holder, be it new, --overwrite or --resume; once the holder ends it is free.
+    The holder here has just started (args.json, step-0 metrics): what a run that died while
+    starting leaves too, which is why the folder's content cannot tell the two apart."""
+    run_dir = tmp_path / "run"
+    first = Run(grpo.Args(output_dir=str(run_dir)))
+    first.log(0, {"eval/accuracy": 0.5})
+    holder = f"in use by another run \\(pid {os.getpid()} on {socket.gethostname()}\\)"
+    for flags in ({}, {"overwrite": True}):
+        with pytest.raises(ConfigError, match=holder):
+            Run(grpo.Args(output_dir=str(run_dir), **flags))
+    checkpoint = fake_checkpoint(run_dir, 1)  # as if the first run had saved one
+    with pytest.raises(ConfigError, match=holder):
+        Run(grpo.Args(resume=checkpoint))
+    assert json.loads((run_dir / "metrics.jsonl").read_text()) == {"step": 0, "eval/accuracy": 0.5}  # untouched
+    first.close()
+    Run(grpo.Args(resume=checkpoint)).close()
+    assert not [name for name in os.listdir(run_dir) if name.startswith(".")]  # the lock goes with its run
+
+
+def test_a_lock_left_by_a_dead_process_does_not_block(tmp_path):
+    """A run killed (SIGKILL: no cleanup) leaves its lock file, but the OS released its lock: the
+    folder can be resumed (or reused) at once."""
+    run_dir = tmp_path / "run"
+    code = ("import os, sys, grpo; from common.run import Run; "
+            "Run(grpo.Args(output_dir=sys.argv[1])); os.kill(os.getpid(), 9)")
+    proc = subprocess.run([sys.executable, "-c", code, str(run_dir)], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert (run_dir / LOCK_FILE).exists()
+    fake_checkpoint(run_dir, 1)
+    Run(grpo.Args(resume=str(run_dir))).close()
+    new_run(tmp_path, overwrite=True)
+
+
+def test_two_default_run_names_made_in_the_same_second_are_two_folders(tmp_path, monkeypatch):
+    """The race of two runs started together: the other run made runs/NAME after this one looked
+    for it (here: os.path.exists still says it is not there). Making the folder is what decides
+    (os.mkdir fails on one that exists), so this run takes the next name, leaving the other's alone."""
+    import common.run
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(common.run, "time", types.SimpleNamespace(time=lambda: 1.7e9, perf_counter=time.perf_counter))
+    first = Run(grpo.Args())
+    with monkeypatch.context() as m:
+        m.setattr(os.path, "exists", lambda path: False)
+        second = Run(grpo.Args())
+    assert second.dir == first.dir + "_1"
+    assert sorted(os.listdir(first.dir)) == sorted(os.listdir(second.dir))  # each its own args.json, metrics
+    first.close()
+    second.close()
+
+
+@pytest.mark.parametrize("Args,field,value", [
+    (grpo.Args, "model", "{run}/final"),
+    (grpo.Args, "reward", ("{run}/checkpoints/step_4/score.py:score",)),  # FILE.py:FUNCTION
+    (grpo.Args, "task", "jsonl:{run}/final/data.jsonl"),
+    (ppo.Args, "critic_model", "run/checkpoints/step_4/policy"),  # relative to the working folder
+])
+def test_overwrite_refuses_to_empty_a_folder_holding_an_input_of_the_run(tmp_path, monkeypatch, Args, field, value):
+    """--model runs/X/final --output-dir runs/X --overwrite would delete the model it is about to train:
+    any flag whose value (or a part of it) is a path inside the folder is refused, in one line."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    fake_checkpoint(run_dir, 4)
+    for folder in ("final", "checkpoints/step_4/policy"):
+        (run_dir / folder).mkdir(exist_ok=True)
+    for file in ("final/data.jsonl", "checkpoints/step_4/score.py"):
+        (run_dir / file).write_text("")
+    value = tuple(v.format(run=run_dir) for v in value) if isinstance(value, tuple) else value.format(run=run_dir)
+    flag = f"--{field.replace('_', '-')}"
+    with pytest.raises(ConfigError, match=rf"^{flag} .* lies inside {run_dir}, which --overwrite would empty"):
+        Run(Args(output_dir=str(run_dir), overwrite=True, **{field: value}))
+    assert sorted(os.listdir(run_dir)) == ["checkpoints", "final"]  # untouched
+
+
+def later_saves(run_dir, steps=(1, 3), final_step=3) -> list[str]:
+    """A run folder with fake checkpoints at steps, and final/ + summary.json made at final_step."""
+    paths = [fake_checkpoint(run_dir, step, steps=final_step) for step in steps]
+    (run_dir / "final").mkdir()
+    (run_dir / "summary.json").write_text(json.dumps({"steps": final_step}))
+    return paths
+
+
+def test_resume_in_place_from_an_earlier_checkpoint_keeps_later_saves_unless_asked(tmp_path, capsys):
+    """One mistyped step number must not delete a final model: resuming a run in its own folder from
+    before a later checkpoint or final/ is refused, naming them, unless --discard-later."""
+    run_dir = tmp_path / "run"
+    step_1, _ = later_saves(run_dir)
+    with pytest.raises(ConfigError, match=r"^--resume .*step_1 would discard what the run saved after step 1 "
+                                          r"\(checkpoints step_3, final/\): pass --discard-later to drop them, or "
+                                          r"continue in a new folder with --output-dir"):
+        Run(grpo.Args(resume=step_1, steps=3))
+    assert sorted(os.listdir(run_dir)) == ["checkpoints", "final", "summary.json"]
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["step_1", "step_3"]
+
+    args = parse_args(grpo.Args, ["--resume", step_1, "--discard-later"])
+    Run(args).close()
+    assert "removing what the run wrote after step 1: final, step_3, summary.json" in capsys.readouterr().out
+    assert sorted(os.listdir(run_dir)) == ["args.json", "checkpoints", "metrics.jsonl"]
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["step_1"]
+
+
+def test_a_resume_restores_neither_overwrite_nor_discard_later(tmp_path):
+    """What one command asked, not what defines the run: a run started with --overwrite resumes (it was
+    refused: "--overwrite and --resume contradict each other"), and one resumed with --discard-later
+    does not discard again at its next resume unless asked again."""
+    checkpoint = fake_checkpoint(tmp_path / "run", 3, overwrite=True, discard_later=True)
+    args = parse_args(grpo.Args, ["--resume", checkpoint])
+    assert (args.overwrite, args.discard_later) == (False, False)
+
+
+def test_an_ordinary_resume_needs_no_flag(tmp_path):
+    """What a crash or Ctrl-C leaves after the latest checkpoint (metrics of a step not saved, a half
+    written save) is dropped without asking, and a finished run whose final/ is its latest
+    checkpoint's model may train on."""
+    crashed = tmp_path / "crashed"
+    fake_checkpoint(crashed, 2)
+    (crashed / "checkpoints" / "step_3.tmp").mkdir()
+    (crashed / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(4)))
+    Run(grpo.Args(resume=str(crashed))).close()
+    assert [m["step"] for m in read_metrics(crashed)] == [0, 1, 2]
+    assert sorted(os.listdir(crashed / "checkpoints")) == ["step_2"]
+
+    finished = tmp_path / "finished"
+    later_saves(finished)
+    Run(grpo.Args(resume=str(finished), steps=5)).close()
+    assert sorted(os.listdir(finished / "checkpoints")) == ["step_1", "step_3"]
+
+
 # ------------------------------------------------------------------ saving
 
 def test_a_full_disk_leaves_the_previous_checkpoint_and_says_so(tmp_path, tiny_policy, tokenizer, monkeypatch):
@@ -209,14 +390,15 @@ def test_a_failed_final_save_leaves_no_final_model(tmp_path, tiny_policy, tokeni
     monkeypatch.setattr(tiny_policy, "save_pretrained", config_then_full)
     with pytest.raises(RunError, match=r"no space left on .* while saving .*/final$"):
         run.finish(tiny_policy, tokenizer, {"eval/accuracy": 0.5})
-    assert sorted(os.listdir(tmp_path / "run")) == ["args.json", "metrics.jsonl"]  # no final/, no final.tmp
+    # no final/, no final.tmp; the lock file stays while the run (here, its process) goes on
+    assert sorted(os.listdir(tmp_path / "run")) == sorted(["args.json", "metrics.jsonl", LOCK_FILE])
 
 
 # ------------------------------------------------------------------ whole runs, in this process
 
 def test_resume_continues_the_run_and_carries_its_start(tmp_path, run_main, capsys, monkeypatch):
-    """Three steps saved every step; resuming from step 1 abandons steps 2-3 (checkpoints,
-    final model, summary), continues with the saved batch shape, and summary.json still
+    """Three steps saved every step; resuming from step 1 with --discard-later abandons steps 2-3
+    (checkpoints, final model, summary), continues with the saved batch shape, and summary.json still
     knows the run's true start accuracy and its whole wall time."""
     out = tmp_path / "run"
     run_main("grpo.py", "--steps", "3", "--save-every", "1", "--eval-every", "0", "--output-dir", out, *SMALL)
@@ -235,7 +417,7 @@ def test_resume_continues_the_run_and_carries_its_start(tmp_path, run_main, caps
 
     real_sync = grpo.sync_weights
     monkeypatch.setattr(grpo, "sync_weights", sync_weights)
-    args = run_main("grpo.py", "--resume", step_1, "--steps", "2")
+    args = run_main("grpo.py", "--resume", step_1, "--steps", "2", "--discard-later")
     assert (args.prompts_per_step, args.micro_batch_size) == (4, 3)  # SMALL, not the defaults
     saved = load_file(step_1 / "policy" / "model.safetensors")
     restarted = {k: v for k, v in synced[0].items() if k in saved}
@@ -272,8 +454,16 @@ def test_resume_restores_the_algorithms_own_state(tmp_path, run_main):
     assert resumed["reward/baseline"] != pytest.approx(resumed["reward/mean"])  # not this batch's own mean
 
 
-def test_sigint_in_process_saves_and_exits_130(tmp_path, run_main, monkeypatch, capsys):
-    """The first Ctrl-C finishes the step, saves, and exits 130 (not 0: the run did not finish)."""
+def shown_lines(console: str) -> list[str]:
+    """What a terminal shows of stdout and stderr written in turn: each line's text after its last
+    carriage return (the progress bar redraws itself after one)."""
+    return [line.rsplit("\r", 1)[-1] for line in console.split("\n")]
+
+
+def test_sigint_in_process_saves_and_exits_130(tmp_path, run_main, monkeypatch):
+    """The first Ctrl-C finishes the step, saves, and exits 130 (not 0: the run did not finish).
+    What it says is on lines of their own, not glued to the progress bar, which ends at the step
+    saved."""
     from common.engine import sync_weights
 
     syncs = []
@@ -286,13 +476,83 @@ def test_sigint_in_process_saves_and_exits_130(tmp_path, run_main, monkeypatch, 
 
     monkeypatch.setattr(grpo, "sync_weights", sync_and_interrupt)
     out = tmp_path / "run"
-    with pytest.raises(SystemExit) as exit_info:
+    console = io.StringIO()  # stdout and stderr in one stream, in the order a terminal gets them
+    with pytest.raises(SystemExit) as exit_info, redirect_stdout(console), redirect_stderr(console):
         run_main("grpo.py", "--steps", "100", "--save-every", "0", "--output-dir", out, *SMALL)
     assert exit_info.value.code == 130
     assert os.listdir(out / "checkpoints") == ["step_2"]
-    assert "Ctrl-C: finishing this step" in capsys.readouterr().err
+    lines = shown_lines(console.getvalue())
+    assert "Ctrl-C: finishing this step, then saving a checkpoint (again to abort)" in lines
+    saved = [i for i, line in enumerate(lines) if "saved checkpoint" in line]
+    assert len(saved) == 1 and lines[saved[0]].startswith("saved checkpoint"), lines[saved[0]]
+    assert "| 2/100 [" in lines[saved[0] - 1], lines[saved[0] - 1]  # the bar, ended at the step saved
     assert read_metrics(out)[-1]["step"] == 2 and not (out / "final").exists()
     assert (out / "curves.png").stat().st_size > 0  # the picture of the run so far
+    # stopped in its last step, a run resumes with nothing left to train: --steps equal to the checkpoint's
+    # step is allowed, and writes the final model and summary
+    run_main("grpo.py", "--resume", out, "--steps", "2")
+    assert (out / "final").is_dir() and json.loads((out / "summary.json").read_text())["steps"] == 2
+
+
+def test_a_second_ctrl_c_stops_at_once_in_one_line_and_leaves_no_half_checkpoint(tmp_path, run_main,
+                                                                                  monkeypatch):
+    """Ctrl-C during step 2 (saved every step) asks for its checkpoint; a second Ctrl-C while that
+    checkpoint is half written stops at once, through cli as `python grpo.py` runs: exit 130, no
+    traceback, the half checkpoint gone, and one line naming the last complete one."""
+    import torch.distributed.checkpoint as dcp
+
+    from common.engine import sync_weights
+
+    monkeypatch.setattr(common.interrupt, "SAME_REQUEST_S", 0.0)  # as if seconds had passed since the first
+    syncs, saves, dcp_save = [], [], dcp.save
+
+    def sync_and_interrupt(llm, policy):
+        sync_weights(llm, policy)
+        syncs.append(1)
+        if len(syncs) == 3:  # the initial sync, then one per step: during step 2
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def save_and_interrupt(*args, **kwargs):  # the optimizer's part of a checkpoint, written first
+        dcp_save(*args, **kwargs)
+        saves.append(kwargs["checkpoint_id"])
+        if len(saves) == 2:  # step 2's checkpoint, half written
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(grpo, "sync_weights", sync_and_interrupt)
+    monkeypatch.setattr(dcp, "save", save_and_interrupt)
+    out = tmp_path / "run"
+    flags = ["--steps", "100", "--save-every", "1", "--output-dir", str(out), *SMALL]
+    console = io.StringIO()
+    with pytest.raises(SystemExit) as exit_info, redirect_stdout(console), redirect_stderr(console):
+        cli(lambda args: run_main("grpo.py", *flags), grpo.Args, flags)
+    assert exit_info.value.code == 130
+    assert saves[1] == str(out / "checkpoints" / "step_2.tmp" / "optimizer")  # written, then
+    assert os.listdir(out / "checkpoints") == ["step_1"]  # removed: no step_2, no step_2.tmp
+    assert "Traceback" not in console.getvalue()
+    lines = [line for line in shown_lines(console.getvalue()) if line.startswith("Ctrl-C")]
+    assert lines == ["Ctrl-C: finishing this step, then saving a checkpoint (again to abort)",
+                     f"Ctrl-C: stopped; continue from the last checkpoint with --resume {out}/checkpoints/step_1"]
+    assert shown_lines(console.getvalue())[-2:] == [lines[-1], ""]  # the last line, of its own
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_before_the_training_loop_is_one_line(tmp_path, signum):
+    """Ctrl-C or SIGTERM while the run starts (args.json is written, then vLLM starts, the policy
+    loads and the first evaluation runs): one line and exit 130 or 143, no traceback."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "grpo.py"), "--steps", "1", "--output-dir", str(out),
+                             *SMALL], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not (out / "args.json").exists():  # the run folder is made first: start-up has begun
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.time() < deadline, "no start"
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    output = proc.communicate(timeout=300)[0]
+    name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+    assert proc.returncode == 128 + signum, output[-3000:]
+    assert "Traceback" not in output and output.strip().splitlines()[-1] == f"{name}: stopped; no checkpoint was saved"
 
 
 def wait_for_steps(proc, run_dir, steps: int, timeout_s: int = 600) -> None:

@@ -7,6 +7,7 @@ import pytest
 from common.models import encode_prompts
 from common.tasks import Task, load_task, make_sort_task, sort_partial_reward, sort_reward
 from common.errors import ConfigError
+from tests.conftest import TINY_MODEL
 
 
 def test_sort_task_is_deterministic_and_held_out():
@@ -46,7 +47,8 @@ def test_unknown_task_lists_known_tasks():
         load_task("nope")
 
 
-@pytest.mark.parametrize("bad", [float("nan"), math.inf, "1", None, True])
+@pytest.mark.parametrize("bad", [float("nan"), math.inf, "1", None, True, 1e39,  # 1e39: inf in float32
+                                 pytest.param(10**400, id="10**400")])
 def test_reward_that_is_not_a_finite_number_is_an_error(bad):
     task = Task("bad", [], [], lambda completion, example: bad)
     with pytest.raises(ConfigError, match="reward function returned"):
@@ -81,3 +83,27 @@ def test_arithmetic_asks_for_boxed_and_reads_the_answer_leniently():
     assert task.reward(f"{e['question']} = {e['answer']}", e) == 1.0  # the last number, without a box
     assert task.reward(f"\\boxed{{{int(e['answer']) + 1}}}", e) == 0.0
     assert task.reward("I do not know.", e) == 0.0
+
+
+def test_an_empty_prompt_is_refused_naming_its_split_and_index(tmp_path):
+    """An empty prompt passed the check and stopped vLLM mid-run (no token to start from)."""
+    user = tmp_path / "blank.py"
+    user.write_text("from common.tasks import Task\n"
+                    "def make_task():\n"
+                    "    return Task('blank', [{'prompt': 'sort 1:'}], [{'prompt': 'sort 2:'}, {'prompt': ' '}], len)\n")
+    with pytest.raises(ConfigError, match=r"Task.eval\[1\] is \{'prompt': ' '\}; every example must be a dict "
+                                          r"with a non-empty \"prompt\" string"):
+        load_task(f"{user}:make_task")
+
+
+def test_a_verifier_that_raises_in_evaluation_is_one_line(tiny_policy):
+    """As in training: the task, the completion and the exception, not a traceback."""
+    from common.engine import create_engine, evaluate, sync_weights
+
+    llm = create_engine(TINY_MODEL, seed=0, max_model_len=64, engine="transformers")
+    sync_weights(llm, tiny_policy)
+    task = Task("fragile", [], [{"prompt": "sort 321:", "answer": "123"}], lambda completion, example: {}[completion])
+    with pytest.raises(ConfigError) as e:
+        evaluate(llm, llm.tokenizer, task, max_new_tokens=8)
+    assert str(e.value).startswith("task 'fragile': reward function raised KeyError: ") and "on completion '" in str(e.value)
+    assert "\n" not in str(e.value)
