@@ -21,6 +21,10 @@ On-policy: one update per rollout batch, so no importance ratio and no clipping.
 import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: weight sync is a copy
+if __name__ == "__main__":
+    from common.allocator import use_tcmalloc
+
+    use_tcmalloc()  # on CPU: this process again, with tcmalloc preloaded, before torch is imported
 
 import time
 from collections import defaultdict

@@ -24,6 +24,10 @@ The notation GRPO's family shares, the same block in each of its scripts:
 import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: weight sync is a copy
+if __name__ == "__main__":
+    from common.allocator import use_tcmalloc
+
+    use_tcmalloc()  # on CPU: this process again, with tcmalloc preloaded, before torch is imported
 
 import time
 from collections import defaultdict

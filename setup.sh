@@ -14,6 +14,16 @@ case "$device" in
   cpu) reqs=requirements-cpu.txt ;;
   *) echo "setup.sh: RL_LM_DEVICE must be cpu or cuda, got '$device'" >&2; exit 2 ;;
 esac
+# tcmalloc, which the scripts preload on CPU (common/allocator.py): Debian's package, where root and apt-get allow
+if [ "$device" = cpu ] && [ "$(uname -s)" = Linux ] && ! ls /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1; } \
+      || echo "setup.sh: could not install libtcmalloc-minimal4: the scripts run with the system malloc"
+  else
+    echo "setup.sh: no tcmalloc; 'sudo apt-get install libtcmalloc-minimal4' speeds up CPU updates (common/allocator.py)"
+  fi
+fi
 python=${PYTHON:-python3}
 # the stamp changes with either requirements file (and so reinstalls)
 stamp=.venv/.installed-$(cat "$reqs" requirements-nodeps.txt | sha256sum | cut -c1-16)

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from common import dist
 from common.args import check_resume, find_checkpoint, forks, read_run_info, run_folder_of, script_name
+from common.allocator import allocator
 from common.curves import write_curves
 from common.engine import evaluate
 from common.interrupt import GracefulInterrupt
@@ -97,7 +98,8 @@ class Run:
             self.unlock()  # a run refused at its start leaves no lock file behind
             raise
         args.resume = dist.broadcast(args.resume)  # rank 0's checkpoint, whatever another node's working folder
-        self.launch = {"world_size": dist.world_size(), "device": "cuda" if torch.cuda.is_available() else "cpu"}
+        self.launch = {"world_size": dist.world_size(), "device": "cuda" if torch.cuda.is_available() else "cpu",
+                       "allocator": allocator()}
         self.logger = MetricsLogger(self.dir, args, self.start_step, args.tensorboard, args.track, args.wandb_project,
                                     self.launch) if dist.is_main() else None
 

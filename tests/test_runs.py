@@ -23,6 +23,7 @@ from common.scripts import algorithm_scripts, load_script
 import common.interrupt
 from common.args import cli, parse_args, RESUMABLE_CHANGES
 from common.run import LOCK_FILE, Run
+from common.allocator import tcmalloc_path
 from tests.conftest import ROOT, TINY_MODEL
 from tests.test_grpo_e2e import SMALL, read_metrics
 
@@ -585,6 +586,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path):
     assert len(checkpoints) == 1 and (checkpoints[0] / "trainer_state.pt").exists()
     assert "SIGTERM: finishing this step" in output and f"--resume {checkpoints[0]}" in output
     assert read_metrics(out)[-1]["step"] == int(checkpoints[0].name.removeprefix("step_"))
+    # the script re-ran itself with tcmalloc where it is installed (common/allocator.py): the signal still reached it
+    assert json.loads((out / "args.json").read_text())["allocator"] == ("tcmalloc" if tcmalloc_path() else
+                                                                         "system")
 
 
 # ------------------------------------------------------------------ offline
