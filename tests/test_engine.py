@@ -51,17 +51,17 @@ def test_samples_carry_the_policys_log_probs_and_end_like_vllms(engine, tiny_pol
         assert c.finish_reason == "stop" or len(c.token_ids) == 6
         assert c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True)
     assert {c.finish_reason for c in completions} == {"stop", "length"}
+    assert mismatch(tiny_policy, ids, completions, tokenizer, 1.0) < 1e-4
+    # processed log-probs: after the temperature, as vLLM's
+    assert mismatch(tiny_policy, ids, sample(engine, ids, tokenizer, temperature=2.0), tokenizer, 2.0) < 1e-4
+
+
+def mismatch(policy, ids, completions, tokenizer, temperature: float) -> float:
+    """The largest difference between the engine's log-probs of its samples and the trainer's."""
     input_ids, attention_mask, completion_mask, _, _ = rollout_batch(ids, completions, tokenizer.pad_token_id, "cpu")
     C = completion_mask.shape[1]
-    trainer = batched_logprobs(tiny_policy, input_ids, attention_mask, C, 1.0, 64)
-    sampled = sampled_logprobs(completions, C, "cpu")
-    assert ((trainer - sampled).abs() * completion_mask).max() < 1e-4
-    # processed log-probs: after the temperature, as vLLM's
-    hot = sample(engine, ids, tokenizer, temperature=2.0)
-    input_ids, attention_mask, completion_mask, _, _ = rollout_batch(ids, hot, tokenizer.pad_token_id, "cpu")
-    C = completion_mask.shape[1]
-    trainer = batched_logprobs(tiny_policy, input_ids, attention_mask, C, 2.0, 64)
-    assert ((trainer - sampled_logprobs(hot, C, "cpu")).abs() * completion_mask).max() < 1e-4
+    trainer = batched_logprobs(policy, input_ids, attention_mask, C, temperature, 64)
+    return float(((trainer - sampled_logprobs(completions, C, "cpu")).abs() * completion_mask).max())
 
 
 def test_greedy_decoding_is_transformers_generate(engine, tiny_policy, tokenizer):
@@ -108,8 +108,15 @@ def test_lora_and_gradient_checkpointing_policies_sample_and_stay_in_training(to
     policy.train()
     llm = create_engine(TINY_MODEL, seed=0, max_model_len=64, engine="transformers")
     sync_weights(llm, policy)
-    completions = sample(llm, prompt_ids(tokenizer), tokenizer)
+    with torch.no_grad():  # adapters that change the model (B starts at 0)
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    ids = prompt_ids(tokenizer)
+    completions = sample(llm, ids, tokenizer)
     assert len(completions) == 16 and all(c.token_ids for c in completions)
+    # sampled with the adapters and the KV cache (in training mode checkpointing would turn the cache off)
+    assert mismatch(policy, ids, completions, tokenizer, 1.0) < 1e-4
     assert policy.training
 
 
