@@ -9,6 +9,8 @@ scores 0.
     --task sort               the bundled digit-sorting task (the default): 3 to 8 digits
     --task sort:MIN-MAX       the same with lists of MIN to MAX digits (sort:9-11: longer than the
                               tiny model's demonstrations, a harder task)
+    --task multiply           "123*45=" -> "5535": operands of 1 to 3 digits, the task where a calculator
+                              tool (--env calculator) makes the difference for the tiny model
     --task gsm8k              GSM8K from the hub (openai/gsm8k, config main), checked by math-verify
     --task gsm8k:PATH         the same from a local copy of the hub dataset (README.md, main/*.parquet)
     --task countdown          reasoning-gym's countdown (small config, see RG_TASKS)
@@ -65,9 +67,13 @@ def sort_prompt(digits: str) -> str:
     return f"sort {digits}:"
 
 
-def sort_reward(completion: str, example: dict) -> float:
-    """1 if the completion is exactly the sorted digits (surrounding spaces ignored), else 0."""
+def exact_reward(completion: str, example: dict) -> float:
+    """1 if the completion is exactly the answer (surrounding spaces ignored), else 0: `sort`'s
+    sorted digits, `multiply`'s product (in a multi-turn episode: the model's final turn)."""
     return 1.0 if completion.strip() == example["answer"] else 0.0
+
+
+sort_reward = exact_reward
 
 
 def sort_partial_reward(completion: str, example: dict) -> float:
@@ -107,6 +113,50 @@ def make_sort_task(seed: int = 0, num_train: int = 20000, num_eval: int = 200,
         return {"prompt": sort_prompt(d), "answer": "".join(sorted(d))}
 
     return Task(name, [example(d) for d in train_digits], [example(d) for d in eval_digits], reward_fn)
+
+
+# ---------------------------------------------------------------------------------------
+# multiply: the multi-turn (tool) task. "123*45=" -> "5535" (then EOS).
+# ---------------------------------------------------------------------------------------
+
+multiply_reward = exact_reward
+
+
+def make_multiply_task(seed: int = 0, num_train: int = 20000, num_eval: int = 200, name: str = "multiply") -> Task:
+    """Products of two operands of 1 to 3 digits each: the digit count is uniform in 1..3,
+    then the number is uniform among those with that many digits (0-9 for one digit); the
+    prompt is "123*45=", the answer "5535". Eval problems never appear in train.
+
+    Why: a ~1M-parameter model cannot multiply 3-digit numbers (it learns the small products
+    at best), but it can copy "123*45" into a calculator call, <call>123*45</call>, and the
+    calculator's <result>5535</result> into its answer. With a model that calls the tool only
+    on some problems (models/tiny-tool, scripts/make_tiny_tool_model.py), RL can learn that
+    calling it pays everywhere: the multi-turn script's test task.
+
+    The split depends on `seed` only, as make_sort_task's."""
+    rng = random.Random(seed)
+
+    def operand() -> int:
+        digits = rng.randint(1, 3)
+        return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10 ** digits - 1)
+
+    eval_pairs: list[tuple[int, int]] = []
+    seen: set[tuple[int, int]] = set()
+    while len(eval_pairs) < num_eval:
+        pair = (operand(), operand())
+        if pair not in seen:
+            seen.add(pair)
+            eval_pairs.append(pair)
+    train_pairs = []
+    while len(train_pairs) < num_train:
+        pair = (operand(), operand())
+        if pair not in seen:  # held out (repeats within train are fine)
+            train_pairs.append(pair)
+
+    def example(a: int, b: int) -> dict:
+        return {"prompt": f"{a}*{b}=", "answer": str(a * b)}
+
+    return Task(name, [example(*p) for p in train_pairs], [example(*p) for p in eval_pairs], multiply_reward)
 
 
 # ---------------------------------------------------------------------------------------
@@ -399,6 +449,7 @@ def parse_rg_spec(spec: str) -> tuple[str, dict]:
 TASKS: dict[str, Callable[..., Task]] = {
     "sort": make_sort_task,
     "sort-partial": functools.partial(make_sort_task, name="sort-partial", reward_fn=sort_partial_reward),
+    "multiply": make_multiply_task,
     "gsm8k": make_gsm8k_task,
     "arithmetic": make_arithmetic_task,
     **{name: functools.partial(make_rg_task, dataset, config=config, name=name)

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from common.models import encode_prompts
-from common.tasks import Task, load_task, make_sort_task, sort_partial_reward, sort_reward
+from common.tasks import Task, load_task, make_multiply_task, make_sort_task, multiply_reward, sort_partial_reward, sort_reward
 from common.errors import ConfigError
 from tests.conftest import TINY_MODEL
 
@@ -40,6 +40,39 @@ def test_sort_partial_reward_gives_credit_per_position():
     assert sort_partial_reward("", ex) == 0.0
     partial, exact = load_task("sort-partial"), load_task("sort")
     assert partial.eval == exact.eval and partial.train[:100] == exact.train[:100]  # same prompts
+
+
+def test_multiply_task_is_deterministic_and_held_out():
+    a, b = make_multiply_task(seed=0), make_multiply_task(seed=0)
+    assert a.train[:50] == b.train[:50] and a.eval == b.eval
+    assert len(a.train) == 20000 and len(a.eval) == 200
+    assert make_multiply_task(seed=1).eval != a.eval
+    eval_prompts = {e["prompt"] for e in a.eval}
+    assert len(eval_prompts) == len(a.eval)
+    assert not eval_prompts & {e["prompt"] for e in a.train}
+    assert load_task("multiply").eval == a.eval
+    # seed 0's first problems, pinned (products checked by hand)
+    assert a.eval[:2] == [{"prompt": "63*4=", "answer": "252"}, {"prompt": "597*48=", "answer": "28656"}]
+    assert a.train[:2] == [{"prompt": "21*1=", "answer": "21"}, {"prompt": "24*720=", "answer": "17280"}]
+
+
+def test_multiply_examples_and_reward():
+    ex = {"prompt": "123*45=", "answer": "5535"}
+    assert multiply_reward("5535", ex) == 1.0
+    assert multiply_reward(" 5535\n", ex) == 1.0
+    assert multiply_reward("5536", ex) == 0.0
+    assert multiply_reward("55350", ex) == 0.0
+    assert multiply_reward("<call>123*45</call>", ex) == 0.0  # a call is not an answer
+    assert multiply_reward("", ex) == 0.0
+    task = make_multiply_task(seed=0)
+    digit_counts = set()
+    for e in task.train[:2000] + task.eval:
+        left, right = e["prompt"].removesuffix("=").split("*")
+        for operand in (left, right):
+            assert operand.isdigit() and 1 <= len(operand) <= 3 and (len(operand) == 1 or operand[0] != "0")
+        assert e["prompt"] == f"{left}*{right}=" and e["answer"] == str(int(left) * int(right))
+        digit_counts.add((len(left), len(right)))
+    assert digit_counts == {(i, j) for i in (1, 2, 3) for j in (1, 2, 3)}
 
 
 def test_unknown_task_lists_known_tasks():
