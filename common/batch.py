@@ -196,3 +196,16 @@ def rollout_batch(prompt_ids: list[list[int]], completions, pad_token_id: int, d
     if mask_truncated:
         loss_mask[truncated] = 0
     return input_ids, attention_mask, completion_mask, loss_mask, truncated
+
+
+def episode_batch(prompt_ids: list[list[int]], episodes, pad_token_id: int, device, mask_truncated: bool = False):
+    """rollout_batch of multi-turn episodes (common/env.py Episode: the model's turns and the
+    environment's observations after the prompt, as completions): the same tensors, but
+    completion_mask and loss_mask mark the model's own tokens only. Observation tokens stay in
+    input_ids and attention_mask, as context, and get no loss and no KL."""
+    input_ids, attention_mask, completion_mask, loss_mask, truncated = rollout_batch(
+        prompt_ids, episodes, pad_token_id, device, mask_truncated)
+    model_mask = torch.zeros_like(completion_mask)
+    for i, e in enumerate(episodes):
+        model_mask[i, :len(e.model_mask)] = torch.tensor(e.model_mask)
+    return input_ids, attention_mask, completion_mask * model_mask, loss_mask * model_mask, truncated

@@ -3,7 +3,7 @@
     python -m common.curves RUN_DIR [RUN_DIR ...] [-o OUT.png]
 
 Panels against step: the rollouts' mean reward, held-out accuracy (on the eval steps), KL to
-the reference, response length and where a step's time goes (stacked parts for one run, the
+the reference, response length, tool calls (multi-turn runs) and where a step's time goes (stacked parts for one run, the
 total per run for several). A panel whose metric no run logged is left out; every panel spans
 the runs' steps. A NaN or inf is an x on the panel's top edge. One run folder draws
 RUN_DIR/curves.png; several draw side by side, one color each, into ./curves.png.
@@ -21,7 +21,7 @@ import sys
 # (metric, panel title); the time panel comes last and is drawn by draw_time
 PANELS = [("reward/mean", "reward (rollout mean)"), ("eval/accuracy", "held-out accuracy"),
           ("kl/ref", "KL to the reference"), ("response/length_mean", "response length (tokens)"),
-          ("time/step", "step time (s)")]
+          ("env/tool_calls_mean", "tool calls per episode"), ("time/step", "step time (s)")]
 COLS = 3
 
 

@@ -96,6 +96,14 @@ def all_sum(x) -> torch.Tensor:
     return x
 
 
+def first_index(count: int) -> int:
+    """Where this rank's `count` items start in the whole batch (rank order): the lower ranks' counts
+    summed. Equal shares give rank * count; multi-turn episodes still going after a turn do not."""
+    if world_size() == 1:
+        return 0
+    return int(all_gather(torch.tensor([count]))[:rank()].sum())
+
+
 def all_gather(x: torch.Tensor) -> torch.Tensor:
     """The ranks' x concatenated in rank order (dim 0): the whole batch's values (e.g. rewards)."""
     if world_size() == 1:

@@ -16,13 +16,14 @@ import contextlib
 import logging
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PreTrainedModel
 
 from common import dist
 from common.batch import position_ids_of
+from common.errors import need
 from common.models import encode_prompts, load_tokenizer, merged_weights, resolve_model, stop_token_ids
 from common.rewards import TIMEOUTS, Reward, RewardTerm
 
@@ -185,7 +186,7 @@ def sync_weights(llm, model: PreTrainedModel) -> None:
 # ---------------------------------------------------------------------------------------
 
 def evaluate(llm, tokenizer, task, max_new_tokens: int, chat_template: bool = True,
-             system_prompt: str | None = None, reward_timeout: float = 0.0) -> dict:
+             system_prompt: str | None = None, reward_timeout: float = 0.0, episodes=None) -> dict:
     """Greedy accuracy (reward >= 1) and mean reward on the task's eval split, through vLLM.
 
     Prompts are encoded and completions stopped as in training: pass the same
@@ -194,23 +195,36 @@ def evaluate(llm, tokenizer, task, max_new_tokens: int, chat_template: bool = Tr
     one line, a call past reward_timeout seconds scores 0 and is counted (eval/timeouts).
     Under torchrun rank 0 evaluates (the numbers of one process) and every rank gets them; with
     a TransformersEngine every rank decodes the same prompts (the sharded policy's forward needs
-    every rank), to the same numbers."""
+    every rank), to the same numbers. episodes: multi-turn rollouts (grpo_multiturn.py),
+    episodes(prompt_ids, examples) -> (the final answers, more eval metrics), greedy."""
     if isinstance(llm, TransformersEngine):
-        return _evaluate(llm, tokenizer, task, max_new_tokens, chat_template, system_prompt, reward_timeout)
-    return dist.on_main(_evaluate, llm, tokenizer, task, max_new_tokens, chat_template, system_prompt, reward_timeout)
+        return _evaluate(llm, tokenizer, task, max_new_tokens, chat_template, system_prompt, reward_timeout, episodes)
+    return dist.on_main(_evaluate, llm, tokenizer, task, max_new_tokens, chat_template, system_prompt, reward_timeout,
+                        episodes)
 
 
 def _evaluate(llm, tokenizer, task, max_new_tokens: int, chat_template: bool, system_prompt: str | None,
-              reward_timeout: float) -> dict:
+              reward_timeout: float, episodes) -> dict:
     SamplingParams = _sampling_params_class(llm)
     prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in task.eval], chat_template, system_prompt)
     greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
     with awake(llm):
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy, use_tqdm=False)
+        if episodes is None:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy, use_tqdm=False)
+            answers, more = [o.outputs[0].text for o in outputs], {}
+        else:
+            answers, more = episodes(prompt_ids, task.eval)
     verifier = Reward([RewardTerm("correct", task.reward, 1.0, "correct")], reward_timeout)
-    rewards, parts = verifier([o.outputs[0].text for o in outputs], task.eval)
+    rewards, parts = verifier(answers, task.eval)
     return {"eval/accuracy": (rewards >= 1.0).float().mean().item(), "eval/reward_mean": rewards.mean().item(),
-            "eval/timeouts": parts[TIMEOUTS].sum().item()}
+            "eval/timeouts": parts[TIMEOUTS].sum().item(), **more}
+
+
+def still_running(llm, count: int) -> bool:
+    """Whether requests remain: this rank's `count`, or with the transformers engine any rank's. Its
+    ranks decode in step (a sharded forward needs every rank), so a rank whose episodes have ended
+    still calls generate, with no request, until every rank's have."""
+    return bool(dist.all_sum(count) if isinstance(llm, TransformersEngine) else count)
 
 
 def sampled_logprobs(completions, num_completion_tokens: int, device) -> torch.Tensor:
@@ -221,14 +235,15 @@ def sampled_logprobs(completions, num_completion_tokens: int, device) -> torch.T
     return out
 
 
-def sampling_params(args, tokenizer):
+def sampling_params(args, tokenizer, **changes):
     """The rollout's vLLM sampling: n = --completions-per-prompt completions of each prompt at
     --temperature, at most --max-new-tokens, with the sampled token's log-prob; a completion ends
     at EOS or at the chat template's end-of-turn token (which stays in its loss mask). Never a
-    per-request seed: the engine is seeded once."""
+    per-request seed: the engine is seeded once. changes: other values of SamplingParams' fields."""
     SamplingParams = _sampling_params_class(args.engine)
-    return SamplingParams(n=args.completions_per_prompt, temperature=args.temperature,
-                          max_tokens=args.max_new_tokens, logprobs=0, stop_token_ids=stop_token_ids(tokenizer))
+    return SamplingParams(**{"n": args.completions_per_prompt, "temperature": args.temperature,
+                             "max_tokens": args.max_new_tokens, "logprobs": 0,
+                             "stop_token_ids": stop_token_ids(tokenizer), **changes})
 
 
 def _sampling_params_class(engine):
@@ -253,6 +268,8 @@ class SamplingParams:
     max_tokens: int = 16
     logprobs: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # strings that end a sample (the token that completes one is kept)
+    include_stop_str_in_output: bool = False       # the text keeps the stop string (else it ends before it)
 
 
 @dataclass
@@ -296,32 +313,51 @@ class TransformersEngine:
         pass
 
     @torch.no_grad()
-    def generate(self, requests: list[dict], params: SamplingParams, use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(self, requests: list[dict], params, use_tqdm: bool = False) -> list[RequestOutput]:
+        """params: one SamplingParams, or one a request (as vLLM takes them) that differ in max_tokens only."""
+        per_request = params if isinstance(params, (list, tuple)) else [params] * len(requests)
+        params = per_request[0] if per_request else SamplingParams()
+        need(all(replace(p, max_tokens=params.max_tokens) == params for p in per_request),
+             "the transformers engine takes sampling parameters that differ in max_tokens only")
         rows = [r["prompt_token_ids"] for r in requests for _ in range(params.n)]
+        max_tokens = [p.max_tokens for p in per_request for _ in range(params.n)]
+        first = dist.first_index(len(rows))  # this rank's rows in the whole batch: where their seeds start
+        if not rows:  # under torchrun the other ranks may still decode (see still_running): one token along
+            if dist.world_size() == 1:
+                return []
+            rows, max_tokens, params = [[self.tokenizer.pad_token_id]], [1], replace(params, n=1)
         self.calls += 1
         training = self.model.training
         self.model.eval()  # no gradient checkpointing (it turns the KV cache off)
         try:
             device = next(self.model.parameters()).device
             with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-                tokens, logprobs, lengths, stopped = self._decode(rows, params, device)
+                tokens, logprobs, lengths, stopped = self._decode(rows, max_tokens, params, first, device)
         finally:
             self.model.train(training)
         samples = [CompletionOutput(
-            token_ids=tokens[i, :n].tolist(), text=self.tokenizer.decode(tokens[i, :n], skip_special_tokens=True),
+            token_ids=tokens[i, :n].tolist(), text=self._text(tokens[i, :n], params),
             logprobs=[{t: Logprob(lp)} for t, lp in zip(tokens[i, :n].tolist(), logprobs[i, :n].tolist())],
             finish_reason="stop" if stopped[i] else "length") for i, n in enumerate(lengths.tolist())]
-        return [RequestOutput(samples[i:i + params.n]) for i in range(0, len(samples), params.n)]
+        return [RequestOutput(samples[i:i + params.n]) for i in range(0, len(samples), params.n)][:len(requests)]
 
-    def _decode(self, rows: list[list[int]], params: SamplingParams, device):
+    def _text(self, tokens: torch.Tensor, params: SamplingParams) -> str:
+        """A sample's text as vLLM gives it: special tokens skipped, cut at the first stop string."""
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        found = [(text.find(s), s) for s in params.stop if s in text]
+        if found:
+            at, s = min(found)
+            text = text[:at + len(s) if params.include_stop_str_in_output else at]
+        return text
+
+    def _decode(self, rows: list[list[int]], max_tokens: list[int], params: SamplingParams, first: int, device):
         """(tokens [B, T], their log-probs [B, T], lengths [B], stopped [B]) of the rows' samples."""
-        B, T, pad = len(rows), params.max_tokens, self.tokenizer.pad_token_id
+        B, T, pad = len(rows), max(max_tokens), self.tokenizer.pad_token_id
         P = max(len(r) for r in rows)
         input_ids = torch.full((B, P), pad, dtype=torch.long)
         attention_mask = torch.zeros(B, P, dtype=torch.long)
         for i, r in enumerate(rows):  # left-padded, as in the trainer's batches
             input_ids[i, P - len(r):], attention_mask[i, P - len(r):] = torch.tensor(r), 1
-        first = dist.rank() * B  # this rank's rows in the whole batch
         uniforms = torch.stack([torch.rand(T, generator=torch.Generator().manual_seed(
             hash((self.seed, self.calls, first + i)) % 2**63)) for i in range(B)]).to(device)
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
@@ -330,7 +366,9 @@ class TransformersEngine:
         tokens = torch.full((B, T), pad, dtype=torch.long, device=device)
         logprobs = torch.zeros(B, T, device=device)
         lengths = torch.zeros(B, dtype=torch.long, device=device)
-        stopped = torch.zeros(B, dtype=torch.bool, device=device)
+        limits = torch.tensor(max_tokens, device=device)
+        stopped = torch.zeros(B, dtype=torch.bool, device=device)  # ended by a stop token or string
+        done = lengths >= limits
         cache, ids = None, input_ids
         for t in range(T):
             out = self.model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -344,12 +382,17 @@ class TransformersEngine:
             else:
                 logp = torch.log_softmax(logits, dim=-1)
                 token = logits.argmax(-1)
-            running = ~stopped  # the rows still sampling: each has t tokens so far
+            running = ~done  # the rows still sampling: each has t tokens so far
             tokens[running, t] = token[running]
             logprobs[running, t] = logp[running].gather(-1, token[running, None])[:, 0]
             lengths += running
             stopped |= running & torch.isin(token, stop_ids)
-            if dist.all_sum((~stopped).sum()) == 0:
+            if params.stop:  # stop strings: read the text of the rows still going
+                for i in (running & ~stopped).nonzero().flatten().tolist():
+                    text = self.tokenizer.decode(tokens[i, :t + 1])
+                    stopped[i] = any(s in text for s in params.stop)
+            done = stopped | (lengths >= limits)  # a row at its own max_tokens ends: "length"
+            if dist.all_sum((~done).sum()) == 0:
                 break  # every rank's samples have ended
             ids = tokens[:, t:t + 1]
             attention_mask = torch.cat([attention_mask, running[:, None].long()], dim=1)

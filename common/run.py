@@ -193,22 +193,25 @@ class Run:
                     "advantage": float(advantages[i])} for i in range(n)]
         self.logger.log_completions(step, records)
 
-    def start(self, llm, tokenizer, task) -> None:
+    def start(self, llm, tokenizer, task, episodes=None) -> None:
         """Says what runs where, and evaluates the starting policy on the held-out split (step 0
-        of a new run's metrics). The engine, tokenizer and task are kept for the evaluations."""
-        self.llm, self.tokenizer, self.task = llm, tokenizer, task
+        of a new run's metrics). The engine, tokenizer and task are kept for the evaluations;
+        episodes: a multi-turn script's rollout, which they use (common/engine.py evaluate)."""
+        self.llm, self.tokenizer, self.task, self.episodes = llm, tokenizer, task, episodes
         a = self.args
         print(f"{a.exp_name}: {a.model} on {a.task} ({self.launch['device']}, {a.engine} rollouts), {a.steps} "
               f"steps of {a.prompts_per_step} prompts x {a.completions_per_prompt} completions -> {self.dir}")
         self.eval_metrics = self.evaluate()
         if self.start_step == 0:
             self.log(0, self.eval_metrics)
+        if self.engine_calls is not None:  # the transformers engine seeds each sample by its call count:
+            llm.calls = self.engine_calls  # a resumed run samples what the uninterrupted run sampled
 
     def evaluate(self) -> dict:
         """Greedy held-out accuracy and reward (rank 0's, on every rank), prompts as in training."""
         a = self.args
         return evaluate(self.llm, self.tokenizer, self.task, a.max_new_tokens, a.chat_template, a.system_prompt,
-                        a.reward_timeout)
+                        a.reward_timeout, self.episodes)
 
     def restore(self, models: dict, optimizer, scheduler, prompt_sampler) -> dict:
         """Keeps what a checkpoint holds (models by name, the optimizer, the learning-rate schedule,
@@ -216,9 +219,11 @@ class Run:
         load from its folders themselves). Returns the checkpoint's trainer state, whose entries
         include the algorithm's own (end_step's keyword arguments); {} for a new run."""
         self.saved = models, optimizer, scheduler, prompt_sampler
+        self.engine_calls = None
         if not self.args.resume:
             return {}
         state = self.load_checkpoint(models, optimizer)
+        self.engine_calls = state.get("engine_calls")
         scheduler.load_state_dict(state["scheduler"])
         prompt_sampler.set_state(state["prompt_sampler"])
         return state
@@ -264,7 +269,8 @@ class Run:
     def save_step(self, step: int, algorithm_state: dict) -> str:
         """checkpoints/step_N of what restore() keeps, and algorithm_state; returns its path."""
         models, optimizer, scheduler, prompt_sampler = self.saved
-        state = {"scheduler": scheduler.state_dict(), "prompt_sampler": prompt_sampler.get_state(), **algorithm_state}
+        state = {"scheduler": scheduler.state_dict(), "prompt_sampler": prompt_sampler.get_state(),
+                 "engine_calls": getattr(self.llm, "calls", None), **algorithm_state}
         return self.save_checkpoint(step, models, self.tokenizer, state, optimizer)
 
     def say(self, message: str) -> None:

@@ -160,7 +160,8 @@ def test_every_script_stops_rollouts_at_end_of_turn(script, tmp_path, eot_model,
     from tests.test_grpo_e2e import read_metrics
 
     out = tmp_path / "run"
-    args = run_main(script, "--model", eot_model, "--steps", "1", "--prompts-per-step", "4", "--completions-per-prompt", "4",
+    args = run_main(script, "--model", eot_model, "--task", "sort", "--steps", "1", "--prompts-per-step", "4",
+                    "--completions-per-prompt", "4",
              "--max-new-tokens", "12", "--micro-batch-size", "8", "--output-dir", out, engine=eot_engine[0])
     step = read_metrics(out)[1]
     assert step["response/truncated_frac"] < 0.5, step

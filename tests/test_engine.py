@@ -93,10 +93,10 @@ def test_each_sample_is_seeded_by_its_place_in_the_whole_batch(engine, tiny_poli
     for rank in (0, 1):
         llm = create_engine(TINY_MODEL, seed=0, max_model_len=64, engine="transformers")
         sync_weights(llm, tiny_policy)
-        monkeypatch.setattr(dist, "rank", lambda: rank)
+        monkeypatch.setattr(dist, "first_index", lambda count: rank * count)  # rank 0 holds as many rows
         halves += [c.token_ids for c in sample(llm, ids[2 * rank:2 * rank + 2], tokenizer)]  # its share
     assert halves == whole
-    monkeypatch.setattr(dist, "rank", lambda: 0)
+    monkeypatch.setattr(dist, "first_index", lambda count: 0)
     assert [c.token_ids for c in sample(engine, ids, tokenizer)] != whole
     other = create_engine(TINY_MODEL, seed=1, max_model_len=64, engine="transformers")
     sync_weights(other, tiny_policy)
@@ -132,27 +132,37 @@ def test_the_vllm_engine_without_vllm_is_one_line(monkeypatch):
     check_args(args, 512, 10, 2)
 
 
+# grpo_multiturn.py: multi-turn episodes on the tiny model (the retry environment answers a wrong turn)
+MULTITURN = ["--model", TINY_MODEL, "--task", "sort", "--env", "examples/my_env.py:retry", "--max-new-tokens", "40",
+             "--max-turn-tokens", "12"]
+
+
 @pytest.mark.slow
-def test_two_processes_sample_the_batch_of_one(tmp_path):
+@pytest.mark.parametrize("script", ["grpo.py", "grpo_multiturn.py"])
+def test_two_processes_sample_the_batch_of_one(tmp_path, script):
     """grpo.py --engine transformers under torchrun (2 CPU processes, FSDP2: the ranks decode in step)
     samples the same rollouts as one process: the same step-1 rewards and lengths (before any
-    update) and the same logged completions (rank 0's share: the batch's first prompts)."""
+    update) and the same logged completions (rank 0's share: the batch's first prompts); so does
+    grpo_multiturn.py, whose ranks decode each turn in step (the same turns per episode too)."""
     from tests.test_dist import SMALL, torchrun
 
     flags = ["--engine", "transformers", "--steps", "2", "--save-every", "0", "--eval-every", "0",
-             "--log-completions", "8", *SMALL]
-    one = subprocess.run([sys.executable, "grpo.py", *flags, "--output-dir", tmp_path / "one"], cwd=ROOT,
+             "--log-completions", "8", *SMALL, *(MULTITURN if script == "grpo_multiturn.py" else [])]
+    one = subprocess.run([sys.executable, script, *flags, "--output-dir", tmp_path / "one"], cwd=ROOT,
                          capture_output=True, text=True)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = torchrun("grpo.py", *flags, "--output-dir", tmp_path / "two")
+    two = torchrun(script, *flags, "--output-dir", tmp_path / "two")
     output = two.communicate(timeout=600)[0]
     assert two.returncode == 0, output[-3000:]
     m1, m2 = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert json.loads((tmp_path / "two" / "summary.json").read_text())["world_size"] == 2
     assert m1[0]["eval/accuracy"] == m2[0]["eval/accuracy"]
-    for key in ("reward/mean", "response/length_mean"):
+    keys = ("reward/mean", "response/length_mean") + (("env/turns_mean",) if script == "grpo_multiturn.py" else ())
+    for key in keys:
         assert m1[1][key] == pytest.approx(m2[1][key], abs=1e-6), key
     assert m2[1]["rollout/logprob_mismatch"] < 1e-4
+    if script == "grpo_multiturn.py":
+        assert m1[1]["env/turns_mean"] > 1, "no multi-turn episodes"
 
     def completions(run):
         return [(r["step"], r["completion"]) for r in map(json.loads, (run / "completions.jsonl").open())]

@@ -1,0 +1,233 @@
+"""Environments of multi-turn episodes (grpo_multiturn.py): what answers the model's turns.
+
+An episode starts from a task example. The model writes a turn; the environment reads it and
+answers with an observation (a tool's result, an error message, feedback), which the model
+reads before its next turn, or ends the episode: that turn was the model's final answer, which
+the task's verifier scores.
+
+    --env calculator          <call>EXPR</call> -> <result>VALUE</result>: + - * / and parentheses,
+                              parsed by a small grammar (common/calculator.py), never executed
+    --env FILE.py:FUNCTION    your own: a function (no arguments) returning an Environment
+                              (see examples/my_env.py)
+
+An Environment is any object with
+    stop                      strings that end a model turn besides EOS, kept in the turn ("</call>")
+    start(example) -> state   a new episode from a task example; the state is anything the episode
+                              keeps (None for the calculator, which remembers nothing)
+    step(state, turn) -> Step what the model's turn (its text) gets back
+One object serves every episode, so per-episode data belongs in the state. A step that raises is
+one line naming the environment and the turn; one that runs past --env-timeout ends its episode,
+counted (env/timeouts), as a slow reward scores 0.
+
+Token-in/token-out: an episode keeps the ids the engine sampled and each observation's ids,
+tokenized once, on its own (observation_ids); the text is never re-encoded, because BPE merges
+across a turn boundary would give other ids than those sampled.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from dataclasses import dataclass, field
+
+from common.calculator import calculate
+from common.engine import Logprob
+from common.errors import ConfigError, RunError
+from common.models import has_chat_template, stop_token_ids
+from common.rewards import RewardTimeout, load_function, time_limit
+
+
+@dataclass
+class Step:
+    observation: str | None = None  # what the model reads next; None ends the episode (the turn was its answer)
+    tool_call: bool = False         # the turn called a tool (counted: env/tool_calls)
+    error: bool = False             # a malformed or failing call; the observation says why (env/tool_errors)
+
+
+class Environment:
+    """The interface (subclass it, or write any object with the same three members)."""
+    stop: tuple[str, ...] = ()
+
+    def start(self, example: dict):
+        return None
+
+    def step(self, state, turn: str) -> Step:
+        raise NotImplementedError
+
+
+class Calculator(Environment):
+    """The model calls `<call>12*(3+4)</call>` (its turn ends at `</call>`) and reads
+    `<result>84</result>`, or `<result>error: ...</result>` for a call the grammar refuses,
+    a division by zero or a number too large. A turn without a call is the final answer."""
+    stop = ("</call>",)
+    CALL = re.compile(r"<call>(.*)</call>\s*$", re.DOTALL)
+
+    def step(self, state, turn: str) -> Step:
+        if "</call>" not in turn:
+            return Step(None)
+        call = self.CALL.search(turn)
+        result = calculate(call.group(1).rsplit("<call>", 1)[-1]) if call else "error: </call> without <call>"
+        return Step(f"<result>{result}</result>", tool_call=True, error=result.startswith("error"))
+
+
+ENVS = {"calculator": Calculator}
+
+
+class CheckedEnv:
+    """An environment whose calls are checked: one that raises or returns anything but a Step is
+    a one-line error naming it; a step past `timeout` seconds (0: no limit) returns None."""
+
+    def __init__(self, env, spec: str, timeout: float):
+        self.env, self.spec, self.timeout = env, spec, timeout
+        self.stop = tuple(env.stop)
+
+    def _call(self, what: str, fn, *args):
+        try:
+            with time_limit(self.timeout):
+                return fn(*args)
+        except RewardTimeout:
+            raise
+        except RunError:
+            raise
+        except (Exception, SystemExit) as e:
+            raise ConfigError(f"--env {self.spec!r}: {what} raised {type(e).__name__}: {e}") from None
+
+    def start(self, example: dict):
+        try:
+            return self._call("start", self.env.start, example)
+        except RewardTimeout:
+            raise ConfigError(f"--env {self.spec!r}: start ran past --env-timeout {self.timeout:g} s") from None
+
+    def step(self, state, turn: str) -> Step | None:
+        try:
+            step = self._call(f"step on turn {turn[:80]!r}", self.env.step, state, turn)
+        except RewardTimeout:
+            return None
+        if not isinstance(step, Step) or not (step.observation is None or isinstance(step.observation, str)):
+            raise ConfigError(f"--env {self.spec!r}: step returned {str(step)[:80]} on turn {turn[:80]!r}; it must "
+                              f"return a Step (from common.env import Step) whose observation is a str or None")
+        return step
+
+
+def load_env(spec: str, task, timeout: float = 0.0, tokenizer=None, chat_template: bool = False) -> CheckedEnv:
+    """--env NAME or FILE.py:FUNCTION, checked now, before anything heavy: the function takes no
+    argument and returns an object with stop, start and step, which start and step on the first
+    train example (an empty turn) in time; and the chat template (if used) can append observations."""
+    if spec in ENVS:
+        env = ENVS[spec]()
+    elif ":" in spec:
+        make_env = load_function(spec, "--env")
+        try:
+            inspect.signature(make_env).bind()
+        except TypeError:
+            raise ConfigError(f"--env {spec!r}: an environment function takes no argument") from None
+        except ValueError:  # no signature to read (a builtin): call it and see
+            pass
+        try:
+            env = make_env()
+        except (Exception, SystemExit) as e:
+            raise ConfigError(f"--env {spec!r} raised {type(e).__name__}: {e}") from None
+    else:
+        raise ConfigError(f"unknown environment {spec!r}; known: {', '.join(sorted(ENVS))}, or FILE.py:FUNCTION")
+    missing = [m for m in ("start", "step") if not callable(getattr(env, m, None))]
+    stop = getattr(env, "stop", None)
+    if missing or not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
+        raise ConfigError(f"--env {spec!r}: returned {type(env).__name__}, not an environment (it needs "
+                          f"start(example), step(state, turn) and stop, a tuple of non-empty strings: common/env.py)")
+    if chat_template and tokenizer is not None and has_chat_template(tokenizer):
+        observation_frame(tokenizer)
+    checked = CheckedEnv(env, spec, timeout)
+    if checked.step(checked.start(task.train[0]), "") is None:
+        raise ConfigError(f"--env {spec!r}: step ran past --env-timeout {timeout:g} s on an empty turn")
+    return checked
+
+
+def observation_ids(tokenizer, text: str, chat_template: bool, turn_ids: list[int]) -> list[int]:
+    """An observation's token ids, tokenized once, on its own. With a chat template they are what
+    the template puts after an assistant turn's text when a tool message (a user message, where the
+    template has no tool role) and the next assistant turn follow: the assistant turn's end, the
+    message, the generation prompt, the separators a turn boundary needs (a turn that ended with the
+    end-of-turn token, turn_ids' last, already holds that one); without one, the text as it is."""
+    if not (chat_template and has_chat_template(tokenizer)):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    before, after = observation_frame(tokenizer)
+    ids = tokenizer(before + text + after, add_special_tokens=False)["input_ids"]
+    return ids[1:] if ids[:1] == turn_ids[-1:] and ids[0] in stop_token_ids(tokenizer) else ids
+
+
+@functools.lru_cache(maxsize=4)
+def observation_frame(tokenizer) -> tuple[str, str]:
+    """(before, after): the chat template's text around an observation's, found once by rendering a
+    conversation with placeholders; a template that cannot continue after an assistant turn is
+    one line (load_env asks before anything heavy)."""
+    turn, slot = "Xq7Zw", "Yk3Vb"  # the assistant turn's text and the observation's, found again
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": turn}]
+    for role in ("tool", "user"):
+        try:
+            alone = tokenizer.apply_chat_template(turns, tokenize=False)
+            after = tokenizer.apply_chat_template(turns + [{"role": role, "content": slot}], tokenize=False,
+                                                  add_generation_prompt=True)
+        except Exception:  # e.g. a template whose roles must alternate user / assistant
+            continue
+        cut = alone.rfind(turn) + len(turn)
+        if turn in alone and after[:cut] == alone[:cut] and after.count(slot) == 1:
+            before, _, rest = after[cut:].partition(slot)
+            return before, rest
+    raise ConfigError("the chat template cannot render a tool or user message after an assistant turn as a "
+                      "continuation of that turn, so observations cannot be appended (try --no-chat-template)")
+
+
+@dataclass
+class Episode:
+    """One episode after its prompt, as the engine and the environment produced it: `token_ids`
+    (the model's turns and the observations), `logprobs` (the engine's, per token, as vLLM gives
+    them; 0 for observation tokens, which are not sampled) and `model_mask` (1: the model's token)."""
+    prompt_ids: list[int]
+    state: object
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    model_mask: list[int] = field(default_factory=list)
+    parts: list[list[str]] = field(default_factory=list)  # the transcript: ["model" | "env", text]
+    finish_reason: str | None = None  # "stop": answered; "length": cut short (a limit or a timeout): truncated
+    ended_by: str | None = None       # "answer", "turn_tokens", "budget", "max_turns" or "timeout"
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+    def add_turn(self, completion) -> None:
+        """The engine's completion (vLLM's CompletionOutput or the transformers engine's)."""
+        self.token_ids += completion.token_ids
+        self.logprobs += completion.logprobs
+        self.model_mask += [1] * len(completion.token_ids)
+        self.parts.append(["model", completion.text])
+
+    def add_observation(self, ids: list[int], text: str) -> None:
+        self.token_ids += ids
+        self.logprobs += [{t: Logprob(0.0)} for t in ids]
+        self.model_mask += [0] * len(ids)
+        self.parts.append(["env", text])
+
+    def end(self, why: str) -> None:
+        self.ended_by, self.finish_reason = why, "stop" if why == "answer" else "length"
+
+    @property
+    def answer(self) -> str:
+        """The final answer, which the task's verifier scores: the model's last turn."""
+        return next((text for who, text in reversed(self.parts) if who == "model"), "")
+
+    @property
+    def transcript(self) -> str:
+        return "".join(text for _, text in self.parts)
+
+
+def episode_metrics(episodes: list[Episode], prefix: str = "env/") -> dict:
+    """Means over the episodes: turns, tool calls, tool errors, observation tokens; the fractions
+    that ended by the token budget and by --max-turns; and the count of environment timeouts."""
+    n = len(episodes)
+    return {f"{prefix}turns_mean": sum(sum(who == "model" for who, _ in e.parts) for e in episodes) / n,
+            f"{prefix}tool_calls_mean": sum(e.tool_calls for e in episodes) / n,
+            f"{prefix}tool_errors_mean": sum(e.tool_errors for e in episodes) / n,
+            f"{prefix}observation_tokens_mean": sum(len(e.model_mask) - sum(e.model_mask) for e in episodes) / n,
+            f"{prefix}budget_frac": sum(e.ended_by == "budget" for e in episodes) / n,
+            f"{prefix}max_turns_frac": sum(e.ended_by == "max_turns" for e in episodes) / n,
+            f"{prefix}timeouts": float(sum(e.ended_by == "timeout" for e in episodes))}

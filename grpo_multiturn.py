@@ -1,0 +1,408 @@
+"""GRPO with multi-turn tool use: GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300) on episodes.
+
+An episode y_i is a conversation with an environment (--env, common/env.py; the default: a
+calculator): the model writes a turn; the environment answers with an observation (the tool's
+result), which the model reads before its next turn; up to --max-turns turns, until the model
+answers without a call. For each prompt x, sample G episodes from the old policy and score each
+with a verifiable reward R_i of its final answer (--reward terms also see the whole transcript, as
+example["transcript"]). Every model token of y_i gets the reward normalized within its group, A_i
+(no critic), and the policy maximizes the clipped surrogate with a KL penalty to a frozen
+reference, over the model's tokens only (t: the model's tokens; observation tokens are context,
+in the input but without a loss or KL term):
+
+    L = agg_{i,t} [ -min(r_t A_i, clip(r_t, 1 - eps_low, 1 + eps_high) A_i) * w_t + beta * KL_t ]
+
+agg is --loss-agg (the paper: mean over tokens, then over sequences). k3 estimates
+KL(pi || pi_ref) without bias at samples of pi, but as a loss term its gradient is not the
+gradient of that KL; it is what the paper does. Dr. GRPO is --no-scale-rewards with
+--loss-agg seq-mean-token-sum-norm; DAPO's clip-higher is --eps-high 0.28.
+
+The trainer scores exactly the ids the engine sampled and the observations' ids, concatenated
+(token-in/token-out: the transcript's text is never re-encoded, whose BPE merges across a turn
+boundary would give other tokens than those sampled). The rest is grpo.py's.
+
+The notation GRPO's family shares, the same block in each of its scripts:
+
+    A_i  = (R_i - mean_j R_j) / (std_j R_j + eps)         (--no-scale-rewards: no std)
+    r_t  = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t)      (num_epochs x num_minibatches steps a batch: r_t leaves 1)
+    w_t  = min(pi_old(y_t) / pi_vllm(y_t), C)              (--vllm-is-cap C: vLLM's own numerics; 1 when off)
+    KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1     (k3; beta = --kl-coef, 0: no reference model)
+"""
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: weight sync is a copy
+if __name__ == "__main__":
+    from common.allocator import use_tcmalloc
+
+    use_tcmalloc()  # on CPU: this process again, with tcmalloc preloaded, before torch is imported
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import torch
+import tyro
+
+from common import dist
+from common.args import cli
+from common.batch import episode_batch, micro_batches
+from common.engine import awake, create_engine, sampled_logprobs, sampling_params, still_running, sync_weights
+from common.env import Episode, episode_metrics, load_env, observation_ids
+from common.errors import need
+from common.guard import step_if_finite
+from common.metrics import step_metrics, timed
+from common.models import encode_prompts, load_policy, load_reference
+from common.ops import aggregate, batched_logprobs, forward_logprobs, masked_mean, truncated_is_weights
+from common.run import Run, seed_everything
+from common.setup import Precision, engine_options, prepare
+
+
+@dataclass
+class Args:
+    # experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment: run folders are runs/EXP_NAME__TASK__SEED__TIME"""
+    model: str = "models/tiny-tool"
+    """hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct) or local folder of the initial policy"""
+    task: str = "multiply"
+    """task name from common/tasks.py, or your own: FILE.py:FUNCTION returning a Task (see examples/)"""
+    reward: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
+    """reward terms whose weighted sum replaces the task's reward, one flag each: NAME[:WEIGHT], NAME a
+    built-in (correct: the task's verifier; format: <answer> tags or \\boxed{} present) or FILE.py:FUNCTION
+    taking (completion, example) (see common/rewards.py); none: the task's own"""
+    seed: int = 0
+    steps: int = 100
+    """rollout-and-update iterations"""
+    output_dir: str | None = None
+    """the run folder: metrics, checkpoints, final model (default: runs/EXP_NAME__TASK__SEED__TIME); new or empty"""
+    overwrite: bool = False
+    """empty --output-dir first if an earlier run is in it (without it, such a folder is refused)"""
+    resume: str | None = None
+    """checkpoint (runs/.../checkpoints/step_N) or run folder (its latest checkpoint) to continue;
+    the run's own arguments are restored (see RESUMABLE_CHANGES in common/args.py)"""
+
+    # rollout
+    prompts_per_step: int = 32
+    """distinct prompts sampled per step"""
+    completions_per_prompt: int = 8
+    """G: episodes per prompt, the group that defines the baseline"""
+    env: str = "calculator"
+    """the environment that answers the model's turns (see common/env.py), or your own: FILE.py:FUNCTION
+    returning an Environment (see examples/my_env.py)"""
+    max_turns: int = 3
+    """model turns per episode at most"""
+    max_turn_tokens: int = 24
+    """tokens per model turn at most (and at most the budget left, --max-new-tokens)"""
+    max_new_tokens: int = 64
+    """the episode's token budget after the prompt: the model's turns and the observations"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs are computed from logits / temperature to match"""
+    chat_template: bool = True
+    """wrap prompts in the tokenizer's chat template when it has one (--no-chat-template: raw text)"""
+    system_prompt: str | None = None
+    """system message of chat-template prompts"""
+
+    # optimization
+    lr: float = 2e-4
+    """AdamW's learning rate (ours, for the 1M-parameter default model; the papers' ~1e-6 is for billions)"""
+    num_epochs: int = 1
+    """passes over each rollout batch"""
+    num_minibatches: int = 4
+    """optimizer steps per pass over the rollout batch (ours: several, so the ratio leaves 1)"""
+    micro_batch_size: int = 64
+    """sequences per forward/backward (gradient accumulation within a minibatch)"""
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+    """linear learning-rate warmup, in optimizer steps"""
+    weight_decay: float = 0.0
+    lora_rank: int = 0
+    """train low-rank adapters of this rank (peft) instead of every weight of the policy; 0: full fine-tuning"""
+    lora_alpha: float = 32.0
+    """LoRA scale: the adapters add (alpha / rank) * B A to each target weight"""
+    lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """the policy's modules that get adapters (Llama/Qwen/Mistral names)"""
+
+    # algorithm
+    eps_low: float = 0.2
+    """lower clip range: ratio is clipped at 1 - eps_low (the paper's)"""
+    eps_high: float = 0.2
+    """upper clip range: ratio is clipped at 1 + eps_high (the paper's; DAPO clip-higher: 0.28)"""
+    kl_coef: float = 0.04
+    """beta, weight of the k3 KL to the reference in the loss (the paper's); 0 loads no reference model"""
+    scale_rewards: bool = True
+    """divide group-centered rewards by the group std (Dr. GRPO: --no-scale-rewards with
+    --loss-agg seq-mean-token-sum-norm)"""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "seq-mean-token-mean")
+    """how per-token losses are averaged (seq-mean-token-sum-norm divides by max_new_tokens)"""
+    mask_truncated_completions: bool = False
+    """leave completions that hit max_new_tokens (no EOS) out of the loss"""
+    vllm_is_cap: float | None = None
+    """C of truncated importance sampling: each token's policy gradient is weighted by min(pi_old / pi_vllm, C),
+    as vLLM samples with its own numerics; None: 2 in bf16 (~1e-2 apart), off in fp32 (~1e-5 apart); 0: off"""
+    ref_update_every: int = 0
+    """copy the policy into the reference every N steps (a reference reset, as DeepSeekMath's iterative GRPO
+    does); 0 never"""
+
+    # infra
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """numerics of rollouts and forward/backward: bf16 (vLLM in bfloat16, the trainer under bfloat16
+    autocast over its --dtype weights, frozen models in bfloat16) or fp32; auto: bf16 on CUDA, fp32 on CPU"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """trainer weight dtype: float32 keeps fp32 master weights and AdamW state; bfloat16 halves
+    them but rounds away updates smaller than ~1/256 of a weight (small learning rates are lost)"""
+    gradient_checkpointing: bool = False
+    engine: Literal["vllm", "transformers"] = "vllm"
+    """rollout engine: vllm, or transformers (the policy samples itself: no vLLM needed, slower)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may take (weights + KV cache)"""
+    vllm_sleep: bool = True
+    """on CUDA, vLLM sleeps between rollouts (sleep mode level 1: KV cache freed, weights in CPU
+    memory), leaving the GPU's memory to the trainer; --no-vllm-sleep keeps it resident"""
+    vllm_cpu_kv_cache_gib: int = 1
+    """KV cache size on CPU"""
+    env_timeout: float = 10.0
+    """seconds the environment may take on one turn, else the episode ends there (counted: env/timeouts)"""
+    reward_timeout: float = 10.0
+    """seconds a reward may take on one completion, else it scores 0 (counted: reward/timeouts); 0: no limit"""
+    eval_every: int = 10
+    """greedy held-out evaluation every N steps (and at start and end); 0 only at start and end"""
+    save_every: int = 50
+    """checkpoint every N steps; 0 only on Ctrl-C"""
+    discard_later: bool = False
+    """--resume in the run's own folder from before its later checkpoints or final/: delete those"""
+    max_nonfinite_steps: int = 3
+    """stop after this many optimizer steps in a row skipped for a NaN or inf loss or gradient"""
+    log_completions: int = 4
+    """completions a step written to completions.jsonl with prompt, rewards, advantage (W&B table with --track)"""
+    tensorboard: bool = False
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "rl-lm"
+
+
+def compute_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: bool, eps: float = 1e-4):
+    """A_i = (R_i - mean of its group) [/ (std of its group + eps)], one scalar per completion.
+
+    rewards holds the G completions of each prompt consecutively. A group whose rewards
+    are all equal gets advantage 0 (no signal), never NaN."""
+    grouped = rewards.view(-1, group_size)
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale_rewards:
+        advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
+    return advantages.view(-1)
+
+
+def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, vllm_is_weights, mask, args: Args,
+                 num_tokens, num_seqs):
+    """The GRPO loss of one micro-batch; [B, C] per-token inputs, advantages [B].
+
+    num_tokens / num_seqs are the minibatch's totals, so accumulated micro-batch losses add
+    up to the minibatch loss. Returns the loss and per-micro-batch statistics."""
+    A = advantages.unsqueeze(1)
+    ratio = torch.exp(logprobs - old_logprobs)
+    clipped_ratio = torch.clamp(ratio, 1 - args.eps_low, 1 + args.eps_high)
+    per_token = -torch.min(ratio * A, clipped_ratio * A) * vllm_is_weights
+    stats = {}
+    if ref_logprobs is not None:
+        log_ref_ratio = ref_logprobs - logprobs
+        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
+        per_token = per_token + args.kl_coef * kl
+        stats["loss/kl"] = masked_mean(kl.detach(), mask)
+    loss = aggregate(per_token, mask, args.loss_agg, num_tokens, num_seqs, args.max_new_tokens)
+    with torch.no_grad():
+        # the clipped term is the smaller one: these tokens get no gradient from the surrogate
+        clipped = ((ratio < 1 - args.eps_low) & (A < 0)) | ((ratio > 1 + args.eps_high) & (A > 0))
+        stats["policy/clip_frac"] = masked_mean(clipped.float(), mask)
+        stats["policy/approx_kl"] = masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask)
+    return loss, stats
+
+
+def check(args: Args) -> None:
+    """This algorithm's own checks, one line each (the shared ones: common/args.py check_args)."""
+    need(0 <= args.eps_low < 1, f"--eps-low must be in [0, 1), got {args.eps_low}")
+    need(args.eps_high >= 0, f"--eps-high must be >= 0, got {args.eps_high}")
+    need(args.max_turns >= 1, f"--max-turns must be >= 1, got {args.max_turns}")
+    need(args.max_turn_tokens >= 1, f"--max-turn-tokens must be >= 1, got {args.max_turn_tokens}")
+
+
+def run_episodes(llm, env, tokenizer, prompt_ids, examples, args: Args, temperature: float) -> list[Episode]:
+    """Step 1: an episode from each prompt (its ids, its example). Each turn the engine continues every
+    open episode from its own ids (the ids it sampled and the observations', never re-encoded text), for
+    at most --max-turn-tokens and the budget left; the environment reads each turn and answers, or
+    the episode ends: at the answer (a turn the environment ends), a limit, or an environment timeout."""
+    episodes = [Episode(p, env.start(example)) for p, example in zip(prompt_ids, examples)]
+    for turn in range(args.max_turns):
+        live = [e for e in episodes if e.ended_by is None]
+        if not still_running(llm, len(live)):
+            break
+        params = [sampling_params(args, tokenizer, n=1, temperature=temperature, stop=list(env.stop),
+                                  include_stop_str_in_output=True,
+                                  max_tokens=min(args.max_turn_tokens, args.max_new_tokens - len(e.token_ids)))
+                  for e in live]
+        outputs = llm.generate([{"prompt_token_ids": e.prompt_ids + e.token_ids} for e in live], params,
+                               use_tqdm=False)
+        for e, out in zip(live, outputs):
+            completion = out.outputs[0]
+            e.add_turn(completion)
+            if completion.finish_reason == "length":  # cut by a limit: truncated
+                e.end("budget" if len(e.token_ids) >= args.max_new_tokens else "turn_tokens")
+                continue
+            step = env.step(e.state, completion.text)
+            if step is None:  # past --env-timeout
+                e.end("timeout")
+                continue
+            e.tool_calls, e.tool_errors = e.tool_calls + step.tool_call, e.tool_errors + step.error
+            if step.observation is None:
+                e.end("answer")
+                continue
+            ids = observation_ids(tokenizer, step.observation, args.chat_template, completion.token_ids)
+            if len(e.token_ids) + len(ids) >= args.max_new_tokens:  # no room left for a reply
+                e.end("budget")
+            elif turn == args.max_turns - 1:
+                e.end("max_turns")
+            else:
+                e.add_observation(ids, step.observation)
+    return episodes
+
+
+def update(policy, optimizer, scheduler, args: Args, precision, input_ids, attention_mask, completion_mask, loss_mask,
+           old_logprobs, ref_logprobs, vllm_logprobs, advantages):
+    """Step 5 on one rollout batch ([B, C] tensors, advantages [B]): num_epochs x num_minibatches optimizer
+    steps, each loss accumulated over micro-batches. old_logprobs None (one optimizer step): pi_old is the
+    policy differentiated, and its forward gives them. Returns the statistics and the old log-probs."""
+    (B, C), device = loss_mask.shape, input_ids.device.type
+    reuse_forward = old_logprobs is None
+    if reuse_forward:  # filled as the update reaches each micro-batch
+        old_logprobs = torch.zeros(B, C, device=device)
+    policy.train()
+    step_stats = defaultdict(list)
+    for epoch in range(args.num_epochs):
+        for mb in torch.randperm(B, device=device).split(B // args.num_minibatches):
+            num_tokens, num_seqs = dist.minibatch_totals(loss_mask[mb])  # over all ranks
+            mb_loss = 0.0
+            # micro-batches of similar length, each cut to its longest row: [micro, :c] lines up
+            for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
+                with precision.autocast(device):
+                    logprobs, entropy = forward_logprobs(policy, input_ids[micro, cols], attention_mask[micro, cols],
+                                                         c, args.temperature, with_entropy=True)
+                if reuse_forward:
+                    old_logprobs[micro, :c] = logprobs.detach()
+                # vLLM sampled from its own numerics, not exactly pi_old: truncated importance weights
+                vllm_is_weights = truncated_is_weights(old_logprobs[micro, :c], vllm_logprobs[micro, :c],
+                                                       precision.vllm_is_cap)
+                loss, stats = compute_loss(logprobs, old_logprobs[micro, :c],
+                                           None if ref_logprobs is None else ref_logprobs[micro, :c],
+                                           advantages[micro], vllm_is_weights, loss_mask[micro, :c], args,
+                                           num_tokens, num_seqs)
+                loss.backward()  # micro-batch losses add up to the minibatch loss
+                mb_loss += loss.item()
+                stats["policy/entropy"] = masked_mean(entropy, completion_mask[micro, :c])
+                for k, v in stats.items():
+                    step_stats[k].append(float(v))
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            # a NaN or inf loss or gradient never reaches the weights: that step is skipped (common/guard.py)
+            step_if_finite(optimizer, scheduler, step_stats, args.max_nonfinite_steps, mb_loss, grad_norm)
+            step_stats["loss/total"].append(mb_loss)
+            step_stats["optim/grad_norm"].append(float(grad_norm))
+    return step_stats, old_logprobs
+
+
+def main(args: Args) -> None:
+    # ---------------------------------------------------------------- setup
+    device = dist.init()  # under torchrun: the ranks' process group, before vLLM exists (see common/dist.py)
+    task, reward_fn, tokenizer, max_prompt_len = prepare(args, check)  # every check, before anything heavy
+    env = load_env(args.env, task, args.env_timeout, tokenizer, args.chat_template)  # checked on a train example
+    run = Run(args)  # the run folder (new, or the resumed run's), checked before anything heavy
+    precision = Precision.of(args, device)  # bf16 autocast or fp32: --precision
+    llm = create_engine(args.model, **engine_options(args, max_prompt_len, precision))
+    seed_everything(args.seed)  # after the engine: in-process vLLM reseeds the global RNGs
+    policy = dist.shard(load_policy(args.model, tokenizer, args.dtype, device, args.gradient_checkpointing,
+                                    args.lora_rank, args.lora_alpha, args.lora_target_modules,
+                                    args.resume and os.path.join(args.resume, "policy")))
+    # the reference is the initial model, also when resuming (unless refreshed, see ref_update_every;
+    # under LoRA: the policy with its adapters off)
+    ref_path = args.resume and args.ref_update_every and os.path.join(args.resume, "reference") or args.model
+    ref_model = dist.shard(load_reference(ref_path, tokenizer, precision.frozen_dtype, device, policy)) \
+        if args.kl_coef > 0 else None
+    models = {"policy": policy, **({"reference": ref_model} if ref_model is not None and args.ref_update_every else {})}
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr,
+                                  weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
+    prompt_sampler = torch.Generator().manual_seed(args.seed)
+    run.restore(models, optimizer, scheduler, prompt_sampler)  # a checkpoint's state on --resume
+    sync_weights(llm, policy)  # vLLM loaded args.model; after --resume the policy differs
+
+    def greedy_episodes(prompt_ids, examples):  # the held-out evaluation's rollout: greedy episodes
+        episodes = run_episodes(llm, env, tokenizer, prompt_ids, examples, args, temperature=0.0)
+        return [e.answer for e in episodes], episode_metrics(episodes, "eval/")
+
+    run.start(llm, tokenizer, task, greedy_episodes)  # says what runs where, evaluates the starting policy
+    G, B = args.completions_per_prompt, args.prompts_per_step // dist.world_size() * args.completions_per_prompt
+    for step in run.steps():  # a progress bar; Ctrl-C / SIGTERM: this step ends, is saved, exit
+        times = {}
+        t_step = time.perf_counter()
+        # ---------------------------------------------------------------- 1. rollout
+        with timed(times, "rollout"):
+            idx = torch.randint(len(task.train), (args.prompts_per_step,), generator=prompt_sampler).tolist()
+            examples = dist.share([task.train[i] for i in idx])  # this rank's prompts: B = len(examples) * G
+            prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in examples], args.chat_template,
+                                        args.system_prompt)
+            with awake(llm):  # with sleep mode (CUDA), vLLM's memory is freed again after the rollout
+                episodes = run_episodes(llm, env, tokenizer, [p for p in prompt_ids for _ in range(G)],
+                                        [e for e in examples for _ in range(G)], args, args.temperature)
+
+        # ---------------------------------------------------------------- 2. reward
+        # the final answer is scored; each example carries its episode's transcript, for --reward terms
+        episode_examples = [{**examples[i // G], "transcript": episodes[i].transcript} for i in range(B)]
+        rewards, reward_parts = reward_fn([e.answer for e in episodes], episode_examples)
+
+        # ---------------------------------------------------------------- 3. old / ref log-probs
+        with timed(times, "logprobs"):
+            # completion_mask and loss_mask: the model's tokens only (observations are context)
+            input_ids, attention_mask, completion_mask, loss_mask, truncated = episode_batch(
+                prompt_ids, episodes, tokenizer.pad_token_id, device, args.mask_truncated_completions)
+            C = completion_mask.shape[1]
+            # one optimizer step on this batch (one epoch, one minibatch): pi_old is the very policy the
+            # update differentiates, so the update's own forward gives old_logprobs (detached), exactly
+            reuse_forward = args.num_epochs == 1 and args.num_minibatches == 1
+            old_logprobs = None if reuse_forward else batched_logprobs(
+                policy, input_ids, attention_mask, C, args.temperature, args.micro_batch_size,
+                precision.autocast_dtype)
+            ref_logprobs = None
+            if ref_model is not None:
+                ref_logprobs = batched_logprobs(ref_model, input_ids, attention_mask, C, args.temperature,
+                                                args.micro_batch_size, precision.autocast_dtype)
+            vllm_logprobs = sampled_logprobs(episodes, C, device)  # vLLM's own, for the mismatch
+
+        # ---------------------------------------------------------------- 4. advantage
+        advantages = compute_advantages(rewards, G, args.scale_rewards).to(device)
+
+        # ---------------------------------------------------------------- 5. update
+        with timed(times, "train"):
+            step_stats, old_logprobs = update(policy, optimizer, scheduler, args, precision, input_ids,
+                                              attention_mask, completion_mask, loss_mask, old_logprobs,
+                                              ref_logprobs, vllm_logprobs, advantages)
+            if args.ref_update_every and ref_model is not None and (step + 1) % args.ref_update_every == 0:
+                ref_model.load_state_dict(policy.state_dict())
+
+        # ---------------------------------------------------------------- 6. sync
+        with timed(times, "sync"):
+            sync_weights(llm, policy)
+
+        # ---------------------------------------------------------------- 7. log / eval / checkpoint
+        times["step"] = time.perf_counter() - t_step
+        metrics = step_metrics(step_stats, rewards, reward_parts, completion_mask, truncated, old_logprobs,
+                               vllm_logprobs, ref_logprobs, precision.vllm_is_cap, scheduler, times, llm)
+        metrics.update(episode_metrics(episodes))  # turns, tool calls and errors, observation tokens, limits
+        run.log_completions(step + 1, [e["prompt"] for e in examples], [e.parts for e in episodes], rewards,
+                            reward_parts, advantages)
+        run.end_step(step + 1, metrics)  # eval, log, save when due
+
+    run.finish(policy, tokenizer, run.eval_metrics)
+
+
+if __name__ == "__main__":
+    cli(main, Args)
