@@ -61,6 +61,7 @@ NO_BASELINE = Config("reinforce-no-baseline", "REINFORCE, no baseline", "reinfor
 LECTURE = [(NO_BASELINE, "none"), (BY_NAME["reinforce"], "batch-mean"), (BY_NAME["rloo"], "rloo"),
            (BY_NAME["grpo"], "grpo")]
 TASK, LECTURE_TASK = "sort", "sort-partial"
+MODEL = "models/tiny-sort"  # the bundled tiny model, trained on TASK
 TASK_NOTES = {"sort": "`sort`: reward 1 for the exact sorted digits, else 0",
               "sort-partial": "`sort-partial`: the same prompts and splits, reward = the fraction of positions "
                               "holding the right digit over the longer of completion and answer, 1 only for "
@@ -115,9 +116,12 @@ def lecture_configs(estimators: list[str]) -> list[Config]:
 
 
 def budget_flags(s: dict) -> list[str]:
-    return ["--steps", str(s["steps"]), "--prompts-per-step", str(s["prompts_per_step"]),
+    """The same for every script, model and task included: a script whose defaults are another
+    model and task (grpo_multiturn.py's tiny-tool on multiply) runs here on the bundled sort."""
+    return ["--model", MODEL, "--task", s.get("task", TASK), "--steps", str(s["steps"]),
+            "--prompts-per-step", str(s["prompts_per_step"]),
             "--completions-per-prompt", str(s["completions_per_prompt"]), "--eval-every", str(s["eval_every"]),
-            "--save-every", "0", *(["--task", s["task"]] if "task" in s else []),
+            "--save-every", "0",
             *(["--max-new-tokens", str(s["max_new_tokens"])] if "max_new_tokens" in s else [])]
 
 
