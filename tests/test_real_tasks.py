@@ -223,7 +223,7 @@ def test_registry_and_rg_spelling():
     with pytest.raises(ConfigError, match="expected key=value, got 'max_terms'"):
         load_task("arithmetic:max_terms")
     with pytest.raises(ConfigError, match=r"unknown task 'gsm9k'; known tasks: arithmetic, basic_arithmetic, "
-                                          r"countdown, gsm8k, sort, sort-partial, and the spellings sort:MIN-MAX, "
+                                          r"countdown, gsm8k, multiply, sort, sort-partial, and the spellings sort:MIN-MAX, "
                                           r"gsm8k:PATH, jsonl:PATH"):
         load_task("gsm9k")
 
