@@ -86,9 +86,7 @@ class CheckedEnv:
         try:
             with time_limit(self.timeout):
                 return fn(*args)
-        except RewardTimeout:
-            raise
-        except RunError:
+        except RunError:  # already one line; RewardTimeout (a BaseException) passes through too
             raise
         except (Exception, SystemExit) as e:
             raise ConfigError(f"--env {self.spec!r}: {what} raised {type(e).__name__}: {e}") from None
