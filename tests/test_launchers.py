@@ -5,9 +5,10 @@ so a local rank taken for the global one, or the reverse, shows).
 Each launch takes a minute or more on 2 cores (a vLLM engine per rank), so the tests share them: the
 two-node launch resumes the checkpoint that the signalled run saved.
 
-Run as a script (torchrun's entry point for the signal test), this file is grpo.py whose
-checkpoints take SLOW_SAVE_S longer: a step plus a checkpoint that outlast torchrun's default
-30 s between forwarding SIGTERM and SIGKILL, as a GPU step and a real model's checkpoint do."""
+Run as a script (torchrun's entry point for the signal test), this file is grpo.py whose steps
+take SLOW_STEP_S and checkpoints SLOW_SAVE_S longer: a step plus a checkpoint that outlast
+torchrun's default 30 s between forwarding SIGTERM and SIGKILL, as a GPU step and a real
+model's checkpoint do."""
 
 import json
 import os
@@ -28,6 +29,7 @@ from tests.test_dist import SMALL
 from tests.test_grpo_e2e import read_metrics
 
 SLOW_SAVE_S = 35
+SLOW_STEP_S = 3
 SHUTDOWN_TIMEOUT_S = 300  # the README's --shutdown-timeout, sized for this machine
 
 
@@ -204,4 +206,11 @@ if __name__ == "__main__":
         return save_checkpoint(self, *args, **kwargs)
 
     Run.save_checkpoint = slow_save_checkpoint
+    sync_weights = grpo.sync_weights
+
+    def slow_sync_weights(*args):  # each step lasts seconds, as on a real model: the test's signal to torchrun
+        time.sleep(SLOW_STEP_S)    # lands within the step rank 1 was signalled in, also on a loaded machine
+        return sync_weights(*args)
+
+    grpo.sync_weights = slow_sync_weights
     cli(grpo.main, grpo.Args)
