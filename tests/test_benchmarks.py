@@ -409,3 +409,25 @@ def test_step_time_medians_of_steady_steps_by_hand():
     assert lines[0] == "| variant | runs | step (s) | train (s) | mean completion (tokens) | speed-up |"
     assert lines[2] == "| old | 1 | 6.00 | 4.0 | 30.0 | 1.00x |"
     assert lines[3] == "| new | 2 | 3.00 | 1.5 | 30.0 | 2.00x |"
+
+
+def test_trl_does_the_work_of_grpo_py():
+    """vs_trl.py gives TRL grpo.py's batching: a round of prompts x completions rows in
+    num_minibatches optimizer steps of micro-batches; TRL generates every steps_per_generation
+    micro-batches and steps every gradient_accumulation_steps. The default tiny job: 32 x 8 = 256
+    rows, 4 steps of 64 (one micro-batch each); SmolLM2's: 8 x 4 = 32 rows, one step of 4 x 8."""
+    import grpo
+    from benchmarks import vs_trl
+
+    tiny = vs_trl.trl_batching(grpo.Args(**vs_trl.JOBS["tiny"]))
+    assert tiny == {"per_device_train_batch_size": 64, "gradient_accumulation_steps": 1, "steps_per_generation": 4,
+                    "num_generations": 8, "max_steps": 80}
+    smollm2 = vs_trl.trl_batching(grpo.Args(**vs_trl.JOBS["smollm2"]))
+    assert smollm2 == {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 4, "steps_per_generation": 4,
+                       "num_generations": 4, "max_steps": 5}
+    assert vs_trl.grpo_command(vs_trl.JOBS["smollm2"])[:5] == ["grpo.py", "--model", "smollm2", "--task",
+                                                               "basic_arithmetic"]
+    runs = [vs_trl.side("grpo.py", [3.0, 1.0, 2.0]), vs_trl.side("TRL", [5.0, 4.0, 4.0])]
+    assert runs[0]["first_round"] == 3.0 and runs[0]["round"] == 1.5
+    assert vs_trl.table(runs).splitlines()[2:] == ["| grpo.py | 1 | 1.50 | 1.50 | 3.00 | 0.38x |",
+                                                  "| TRL | 1 | 4.00 | 4.00 | 5.00 | 1.00x |"]
