@@ -60,36 +60,38 @@ def pack(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_compl
     if window is not None and attention_mask.sum(1).max() > window:
         return None
     device = input_ids.device  # every piece is made there: no L x L copy from the CPU per pass
-    prompts, group = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], dim=1), dim=0,
-                                  return_inverse=True)
-    real = attention_mask.bool()
-    pieces, keep, n = [], [None] * len(input_ids), 0  # (token ids, first position, row or -1, group); columns so far
-    for g, prompt in enumerate(prompts):
-        prompt = prompt[:P][prompt[P:].bool()]
-        pieces.append((prompt, 0, -1, g))
-        n += len(prompt)
-        last = n - 1  # the prompt's last token: its logit scores each completion's first token
-        for i in (group == g).nonzero().flatten().tolist():
-            completion = input_ids[i, P:][real[i, P:]]
-            # token j > 0 is scored at token j - 1's column
-            keep[i] = n - 1 + torch.arange(len(completion), device=device)
-            keep[i][:1] = last
-            pieces.append((completion[:-1], len(prompt), i, g))  # its last token scores nothing
-            n += len(completion[:-1])
-    L = n  # the packed row's length
+    B, width = input_ids.shape
+    _, group = torch.unique(torch.cat([input_ids[:, :P], attention_mask[:, :P]], dim=1), dim=0, return_inverse=True)
+    # the rows by group (in batch order within one): the packed row is this table's taken entries, row-major
+    order = torch.argsort(group, stable=True)
+    group_of_row = group[order]
+    first = torch.ones(B, dtype=torch.bool, device=device)  # the first row of its group gives the prompt
+    first[1:] = group_of_row[1:] != group_of_row[:-1]
+    real = attention_mask[order].bool()
+    column = torch.arange(width, device=device)
+    # taken: a group's prompt once, then each of its completions but the last token (which scores nothing)
+    take = torch.where(column < P, real & first[:, None], column - P < real[:, P:].sum(1, keepdim=True) - 1)
+    L = int(take.sum())  # the packed row's length
     if packed_mask_bytes(L, attention) > MAX_PACKED_MASK_BYTES or \
-            not pays_to_pack(L, input_ids.numel(), input_ids.shape[1], model.config.hidden_size):
+            not pays_to_pack(L, input_ids.numel(), width, model.config.hidden_size):
         return None
-    ids = torch.cat([tokens for tokens, _, _, _ in pieces])
-    position_ids = torch.cat([first + torch.arange(len(tokens), device=device) for tokens, first, _, _ in pieces])
-    row = torch.cat([torch.full((len(tokens),), r, device=device) for tokens, _, r, _ in pieces])
-    group_of = torch.cat([torch.full((len(tokens),), g, device=device) for tokens, _, _, g in pieces])
+    at = take.flatten().cumsum(0).view(B, width) - 1  # the packed column of each taken entry
+    ids = input_ids[order][take]
+    # position ids restart with each prompt and go on through each completion (left padding gets none)
+    position_ids = position_ids_of(real.long())[take]
+    row = torch.where(column < P, -1, order[:, None])[take]  # the completion's batch row; -1: a prompt token
+    group_of = group_of_row[:, None].expand(B, width)[take]
+    # completion token j > 0 is scored at token j - 1's column, token 0 at its prompt's last token
+    scored_at = at[:, P - 1:width - 1].clone()
+    scored_at[:, 0] = at[first, P - 1][group_of_row]
+    keep = torch.empty_like(scored_at)
+    keep[order] = scored_at  # back in batch order
     # a token sees the earlier tokens of its own group that are its prompt or its own completion
     mask = torch.ones(L, L, dtype=torch.bool, device=device).tril_() & (group_of[:, None] == group_of[None, :]) & \
         ((row[None, :] == -1) | (row[:, None] == row[None, :]))
     if attention == "eager":  # eager attention adds its mask to the scores
         mask = torch.zeros(L, L, dtype=MASK_DTYPE["eager"], device=device).masked_fill_(~mask, float("-inf"))
-    return ids[None], position_ids[None], mask[None, None], torch.cat(keep)
+    return ids[None], position_ids[None], mask[None, None], keep[attention_mask[:, P:].bool()]
 
 
 # A packed row's mask is L x L, the one tensor of a packed pass that grows as L^2, and sdpa

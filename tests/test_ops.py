@@ -91,7 +91,8 @@ def test_packed_row_gives_the_padded_batch_log_probs_and_gradient(tokenizer, mon
     """A micro-batch packed into one row (each prompt once, no padding, a mask that lets a
     completion see only its prompt and itself) gives the log-probs and gradient of the padded
     batch: two groups with prompts and completions of different lengths and an empty
-    completion, under sdpa's boolean mask and eager attention's additive one."""
+    completion, their rows interleaved (as in a shuffled minibatch), under sdpa's boolean mask
+    and eager attention's additive one."""
     import common.batch
     from transformers import AutoModelForCausalLM
 
@@ -99,6 +100,8 @@ def test_packed_row_gives_the_padded_batch_log_probs_and_gradient(tokenizer, mon
 
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL, attn_implementation=attention)
     prompts, completions = packable_rollout(tokenizer)
+    interleaved = [0, 3, 1, 4, 2]  # groups A B A B A
+    prompts, completions = [prompts[i] for i in interleaved], [completions[i] for i in interleaved]
     input_ids, attention_mask, completion_mask = make_batch(prompts, completions, tokenizer.pad_token_id, "cpu")
     C = completion_mask.shape[1]
     weights = torch.linspace(-1.0, 2.0, C)
@@ -111,7 +114,7 @@ def test_packed_row_gives_the_padded_batch_log_probs_and_gradient(tokenizer, mon
         grad = torch.autograd.grad((logprobs * weights).sum(), [p for p in model.parameters()])
         results.append((logprobs, grad))
     hook.remove()
-    packed_len = len(prompts[0]) + len(prompts[3]) + sum(len(c) - 1 for c in completions if c)
+    packed_len = len(prompts[0]) + len(prompts[1]) + sum(len(c) - 1 for c in completions if c)
     assert batch_sizes == [(1, packed_len), input_ids.shape]  # one packed row, then the padded batch
     (packed_logprobs, packed_grad), (padded_logprobs, padded_grad) = results
     assert (packed_logprobs[completion_mask == 0] == 0).all() and (packed_logprobs[completion_mask == 1] < 0).all()
