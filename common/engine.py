@@ -67,6 +67,26 @@ def _eager_token_ranks() -> None:
     sampler.batched_count_greater_than = batched_count_greater_than
 
 
+def _undecoded_logprobs() -> None:
+    """Leave the sampled tokens' log-prob entries undecoded (their decoded_token is None).
+
+    The rollout asks for the sampled token's log-prob (logprobs=0) and reads only its value
+    (sampled_logprobs); vLLM would also turn each such token into text and check that text, in
+    Python, token by token: ~45 ms of the default tiny job's ~0.3 s rollout (256 completions).
+    The completions' own text is decoded as before, by vLLM's detokenizer."""
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    make = LogprobsProcessor.from_new_request.__func__
+    if getattr(make, "undecoded", False):  # patched by an earlier engine
+        return
+
+    def from_new_request(cls, tokenizer, request):
+        return make(cls, tokenizer=None, request=request)
+
+    from_new_request.undecoded = True
+    LogprobsProcessor.from_new_request = classmethod(from_new_request)
+
+
 def _quiet_vllm() -> None:
     """Before vLLM is imported: its warnings off (its errors stay). None asks the user to act: at a
     start on CPU, ~18 about what this code chose (eager mode, the seed, torch's threads) or the
@@ -88,7 +108,8 @@ def create_engine(name_or_path: str, seed: int, max_model_len: int, dtype: str =
 
     On CPU the KV cache is sized by cpu_kv_cache_gib (vLLM would take most of the RAM),
     linear weights are kept beside their packed copies so that sync_weights() can update
-    them, and sampled tokens are ranked without torch.compile (_eager_token_ranks).
+    them, and sampled tokens are ranked without torch.compile (_eager_token_ranks). Everywhere
+    the sampled tokens' log-prob entries stay undecoded (_undecoded_logprobs).
     enforce_eager skips vLLM's torch.compile warm-up; the default is eager on CPU, where the
     compiled graphs are never reused across runs (vLLM recompiles every start): that saves
     ~8 s of start-up for the tiny model and ~40-55 s for SmolLM2-135M on 2 cores, for ~10-20%
@@ -108,6 +129,7 @@ def create_engine(name_or_path: str, seed: int, max_model_len: int, dtype: str =
         os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         _keep_cpu_weights()
         _eager_token_ranks()
+    _undecoded_logprobs()
     from vllm import LLM
 
     kwargs = {} if on_cpu else {"gpu_memory_utilization": gpu_memory_utilization}

@@ -79,6 +79,21 @@ def test_sampled_tokens_are_ranked_without_compiling(llm, tokenizer):
     assert torch._C._dynamo.eval_frame._debug_get_cache_entry_list(compiled_code) == []
 
 
+def test_sampled_log_probs_are_not_decoded_but_the_text_is(llm, tiny_policy, tokenizer):
+    """The rollout reads a sampled token's log-prob, never its text: the engine leaves the log-prob
+    entries undecoded (vLLM would decode each one in Python), and the completion's text is still
+    the decoded tokens (up to EOS)."""
+    sync_weights(llm, tiny_policy)
+    prompt = tokenizer("sort 52813:")["input_ids"]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=8, temperature=1.0, max_tokens=8, logprobs=0),
+                       use_tqdm=False)[0]
+    for c in out.outputs:
+        entries = [lp[t] for lp, t in zip(c.logprobs, c.token_ids)]
+        assert [e.decoded_token for e in entries] == [None] * len(c.token_ids)
+        assert all(e.logprob < 0 and e.rank >= 1 for e in entries)
+        assert c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True)
+    assert any(c.text for c in out.outputs)
+
 def test_sleep_mode_cycle_wakes_the_engine_before_sampling_and_its_weights_before_a_sync(llm, run_main, tmp_path,
                                                                                        monkeypatch):
     """vLLM's sleep mode exists on CUDA only: here it is simulated on the session engine.
