@@ -16,8 +16,9 @@ vLLM, with tcmalloc preloaded (common/allocator.py); TRL samples with transforme
 
 Runs alternate (grpo.py, TRL, grpo.py, TRL, ...). Of each run the median of its steady rounds
 (the first, which warms caches, is reported apart): grpo.py's time/step; TRL's time between
-the ends of a round's last optimizer steps (its logging included). Prints a markdown table and
-writes every run's numbers to --json.
+the ends of a round's last optimizer steps (its logging included). --trl-tcmalloc adds TRL with
+tcmalloc preloaded, as a third side: how much of the gap is the allocator. Prints a markdown
+table and writes every run's numbers to --json.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.step_time import run_once  # noqa: E402
 from benchmarks.util import environment  # noqa: E402
+from common.allocator import tcmalloc_path  # noqa: E402
 
 TRL_VERSION = "1.16.0"
 TRL_DIR = ROOT / ".trl"  # where benchmarks/trl_deps.sh installs it
@@ -121,13 +123,15 @@ def side(name: str, rounds: list[float]) -> dict:
             "rounds": rounds}
 
 
-def run_trl(job_name: str, out: Path) -> list[float]:
-    """One TRL run in a fresh process, as its user runs it (the system allocator): its rounds' seconds."""
+def run_trl(job_name: str, out: Path, preload: str | None = None) -> list[float]:
+    """One TRL run in a fresh process, as its user runs it (the system allocator; preload: a
+    library to preload instead, tcmalloc): its rounds' seconds."""
     result = out / "rounds.json"
     log = out.with_suffix(".log")
+    env = {**os.environ, **({"LD_PRELOAD": preload} if preload else {})}
     with open(log, "w") as f:
         done = subprocess.run([sys.executable, __file__, "--trl-child", job_name, "--out", str(out)], cwd=ROOT,
-                              stdout=f, stderr=subprocess.STDOUT)
+                              env=env, stdout=f, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         raise SystemExit(f"error: the TRL run failed (exit {done.returncode}); see {log}")
     return json.loads(result.read_text())
@@ -136,7 +140,7 @@ def run_trl(job_name: str, out: Path) -> list[float]:
 def table(runs: list[dict]) -> str:
     lines = ["| side | runs | round (s), median | each run | first round (s) | vs. TRL |", "|---|---|---|---|---|---|"]
     trl = statistics.median(r["round"] for r in runs if r["side"] == "TRL")
-    for name in ("grpo.py", "TRL"):
+    for name in dict.fromkeys(r["side"] for r in runs):
         rs = [r for r in runs if r["side"] == name]
         median = statistics.median(r["round"] for r in rs)
         each = ", ".join(f"{r['round']:.2f}" for r in rs)
@@ -150,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job", choices=sorted(JOBS), default="tiny")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each side, alternating")
     parser.add_argument("--json", type=Path, help="default: benchmarks/results/vs_trl_JOB.json")
+    parser.add_argument("--trl-tcmalloc", action="store_true",
+                        help="also run TRL with tcmalloc preloaded, as grpo.py runs (a third side)")
     parser.add_argument("--trl-child", choices=sorted(JOBS), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -160,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
                             "print(trl.__version__)"], capture_output=True, text=True)
     if found.returncode != 0:
         raise SystemExit("error: TRL is not installed for this benchmark: run bash benchmarks/trl_deps.sh")
+    tcmalloc = tcmalloc_path()
+    if args.trl_tcmalloc and tcmalloc is None:
+        raise SystemExit("error: --trl-tcmalloc: tcmalloc is not installed (setup.sh installs it)")
     job = JOBS[args.job]
     runs = []
     with tempfile.TemporaryDirectory(prefix="vs_trl_") as tmp:
@@ -167,10 +176,12 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.time()
             steps = run_once(ROOT, grpo_command(job), Path(tmp) / f"grpo_{i}")
             runs.append(side("grpo.py", [m["time/step"] for m in steps]))
+            runs[-1]["first_round_parts"] = {k: v for k, v in steps[0].items() if k.startswith("time/")}
             print(f"grpo.py run {i + 1}: {runs[-1]['round']:.2f} s a round ({time.time() - t0:.0f} s)", flush=True)
-            t0 = time.time()
-            runs.append(side("TRL", run_trl(args.job, Path(tmp) / f"trl_{i}")))
-            print(f"TRL run {i + 1}: {runs[-1]['round']:.2f} s a round ({time.time() - t0:.0f} s)", flush=True)
+            for name, preload in [("TRL", None)] + [("TRL + tcmalloc", tcmalloc)] * args.trl_tcmalloc:
+                t0 = time.time()
+                runs.append(side(name, run_trl(args.job, Path(tmp) / f"trl_{i}_{bool(preload)}", preload)))
+                print(f"{name} run {i + 1}: {runs[-1]['round']:.2f} s a round ({time.time() - t0:.0f} s)", flush=True)
     report = table(runs)
     print(report)
     path = args.json or ROOT / "benchmarks" / "results" / f"vs_trl_{args.job}.json"
