@@ -119,6 +119,7 @@ def trl_run(job: dict, out: Path) -> list[float]:
 
 
 def side(name: str, rounds: list[float]) -> dict:
+    """One run's numbers: its rounds' seconds, the first apart, the median of the rest."""
     return {"side": name, "first_round": rounds[0], "round": statistics.median(rounds[1:] or rounds),
             "rounds": rounds}
 
@@ -133,7 +134,8 @@ def run_trl(job_name: str, out: Path, preload: str | None = None) -> list[float]
         done = subprocess.run([sys.executable, __file__, "--trl-child", job_name, "--out", str(out)], cwd=ROOT,
                               env=env, stdout=f, stderr=subprocess.STDOUT)
     if done.returncode != 0:
-        raise SystemExit(f"error: the TRL run failed (exit {done.returncode}); see {log}")
+        tail = "\n".join(log.read_text().splitlines()[-20:])  # the folder goes when the benchmark ends
+        raise SystemExit(f"error: the TRL run failed (exit {done.returncode}); its log ends:\n{tail}")
     return json.loads(result.read_text())
 
 
