@@ -16,7 +16,9 @@ vLLM, with tcmalloc preloaded (common/allocator.py); TRL samples with transforme
 
 Runs alternate (grpo.py, TRL, grpo.py, TRL, ...). Of each run the median of its steady rounds
 (the first, which warms caches, is reported apart): grpo.py's time/step; TRL's time between
-the ends of a round's last optimizer steps (its logging included). --trl-tcmalloc adds TRL with
+the ends of a round's last optimizer steps (its logging included); and the mean completion
+length of those rounds (both sample the same model at the same temperature: the lengths
+should agree, or the sides did not do the same work). --trl-tcmalloc adds TRL with
 tcmalloc preloaded, as a third side: how much of the gap is the allocator. Prints a markdown
 table and writes every run's numbers to --json.
 """
@@ -71,8 +73,9 @@ def trl_batching(args) -> dict:
             "max_steps": args.steps * args.num_minibatches}
 
 
-def trl_run(job: dict, out: Path) -> list[float]:
-    """TRL's GRPOTrainer on the job (in this process); the seconds of each round."""
+def trl_run(job: dict, out: Path) -> tuple[list[float], list[float]]:
+    """TRL's GRPOTrainer on the job (in this process): the seconds of each round, and its
+    completions' mean length (tokens) at each round."""
     sys.path.insert(0, str(TRL_DIR))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from datasets import Dataset
@@ -95,7 +98,7 @@ def trl_run(job: dict, out: Path) -> list[float]:
         return [task.reward(t, task.train[i]) for t, i in zip(texts, index)]
 
     batching = trl_batching(args)
-    ends = []
+    ends, lengths = [], []
 
     class RoundEnds(TrainerCallback):
         def on_train_begin(self, *_, **__):
@@ -104,6 +107,10 @@ def trl_run(job: dict, out: Path) -> list[float]:
         def on_step_end(self, _, state, *__, **___):
             if state.global_step % args.num_minibatches == 0:
                 ends.append(time.perf_counter())
+
+        def on_log(self, *_, logs=None, **__):  # a round's completions are logged once, after its rollout
+            if logs and "completions/mean_length" in logs:
+                lengths.append(float(logs["completions/mean_length"]))
 
     config = GRPOConfig(
         output_dir=str(out), **batching, max_completion_length=args.max_new_tokens, temperature=args.temperature,
@@ -115,18 +122,19 @@ def trl_run(job: dict, out: Path) -> list[float]:
     trainer = GRPOTrainer(model=resolve_model(args.model), reward_funcs=reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[RoundEnds()])
     trainer.train()
-    return [b - a for a, b in zip(ends, ends[1:])]
+    return [b - a for a, b in zip(ends, ends[1:])], lengths
 
 
-def side(name: str, rounds: list[float]) -> dict:
-    """One run's numbers: its rounds' seconds, the first apart, the median of the rest."""
+def side(name: str, rounds: list[float], lengths: list[float]) -> dict:
+    """One run's numbers: its rounds' seconds, the first apart, the median of the rest; the mean
+    completion length (tokens) of those rounds, so that the two sides' work can be compared."""
     return {"side": name, "first_round": rounds[0], "round": statistics.median(rounds[1:] or rounds),
-            "rounds": rounds}
+            "completion_mean": statistics.mean(lengths[1:] or lengths), "rounds": rounds, "lengths": lengths}
 
 
-def run_trl(job_name: str, out: Path, preload: str | None = None) -> list[float]:
+def run_trl(job_name: str, out: Path, preload: str | None = None) -> tuple[list[float], list[float]]:
     """One TRL run in a fresh process, as its user runs it (the system allocator; preload: a
-    library to preload instead, tcmalloc): its rounds' seconds."""
+    library to preload instead, tcmalloc): its rounds' seconds and completion lengths."""
     result = out / "rounds.json"
     log = out.with_suffix(".log")
     env = {**os.environ, **({"LD_PRELOAD": preload} if preload else {})}
@@ -136,18 +144,20 @@ def run_trl(job_name: str, out: Path, preload: str | None = None) -> list[float]
     if done.returncode != 0:
         tail = "\n".join(log.read_text().splitlines()[-20:])  # the folder goes when the benchmark ends
         raise SystemExit(f"error: the TRL run failed (exit {done.returncode}); its log ends:\n{tail}")
-    return json.loads(result.read_text())
+    return tuple(json.loads(result.read_text()))
 
 
 def table(runs: list[dict]) -> str:
-    lines = ["| side | runs | round (s), median | each run | first round (s) | vs. TRL |", "|---|---|---|---|---|---|"]
+    lines = ["| side | runs | round (s), median | each run | first round (s) | mean completion (tokens) | vs. TRL |",
+             "|---|---|---|---|---|---|---|"]
     trl = statistics.median(r["round"] for r in runs if r["side"] == "TRL")
     for name in dict.fromkeys(r["side"] for r in runs):
         rs = [r for r in runs if r["side"] == name]
         median = statistics.median(r["round"] for r in rs)
         each = ", ".join(f"{r['round']:.2f}" for r in rs)
         first = ", ".join(f"{r['first_round']:.2f}" for r in rs)
-        lines.append(f"| {name} | {len(rs)} | {median:.2f} | {each} | {first} | {median / trl:.2f}x |")
+        length = statistics.mean(r["completion_mean"] for r in rs)
+        lines.append(f"| {name} | {len(rs)} | {median:.2f} | {each} | {first} | {length:.1f} | {median / trl:.2f}x |")
     return "\n".join(lines)
 
 
@@ -177,12 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.repeats):
             t0 = time.time()
             steps = run_once(ROOT, grpo_command(job), Path(tmp) / f"grpo_{i}")
-            runs.append(side("grpo.py", [m["time/step"] for m in steps]))
+            runs.append(side("grpo.py", [m["time/step"] for m in steps], [m["response/length_mean"] for m in steps]))
             runs[-1]["first_round_parts"] = {k: v for k, v in steps[0].items() if k.startswith("time/")}
             print(f"grpo.py run {i + 1}: {runs[-1]['round']:.2f} s a round ({time.time() - t0:.0f} s)", flush=True)
             for name, preload in [("TRL", None)] + [("TRL + tcmalloc", tcmalloc)] * args.trl_tcmalloc:
                 t0 = time.time()
-                runs.append(side(name, run_trl(args.job, Path(tmp) / f"trl_{i}_{bool(preload)}", preload)))
+                runs.append(side(name, *run_trl(args.job, Path(tmp) / f"trl_{i}_{bool(preload)}", preload)))
                 print(f"{name} run {i + 1}: {runs[-1]['round']:.2f} s a round ({time.time() - t0:.0f} s)", flush=True)
     report = table(runs)
     print(report)

@@ -427,7 +427,7 @@ def test_trl_does_the_work_of_grpo_py():
                        "num_generations": 4, "max_steps": 5}
     assert vs_trl.grpo_command(vs_trl.JOBS["smollm2"])[:5] == ["grpo.py", "--model", "smollm2", "--task",
                                                                "basic_arithmetic"]
-    runs = [vs_trl.side("grpo.py", [3.0, 1.0, 2.0]), vs_trl.side("TRL", [5.0, 4.0, 4.0])]
-    assert runs[0]["first_round"] == 3.0 and runs[0]["round"] == 1.5
-    assert vs_trl.table(runs).splitlines()[2:] == ["| grpo.py | 1 | 1.50 | 1.50 | 3.00 | 0.38x |",
-                                                  "| TRL | 1 | 4.00 | 4.00 | 5.00 | 1.00x |"]
+    runs = [vs_trl.side("grpo.py", [3.0, 1.0, 2.0], [9.0, 6.0, 7.0]), vs_trl.side("TRL", [5.0, 4.0, 4.0], [5, 7, 8])]
+    assert runs[0]["first_round"] == 3.0 and runs[0]["round"] == 1.5 and runs[0]["completion_mean"] == 6.5
+    assert vs_trl.table(runs).splitlines()[2:] == ["| grpo.py | 1 | 1.50 | 1.50 | 3.00 | 6.5 | 0.38x |",
+                                                  "| TRL | 1 | 4.00 | 4.00 | 5.00 | 7.5 | 1.00x |"]
