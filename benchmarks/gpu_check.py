@@ -41,11 +41,11 @@ Then three more checks (--checks picks them):
                     common/batch.py's bound
 
 On a GPU machine, from the repository root (needs torch, transformers, optionally peft; about
-5 minutes on one H200 by the estimate in README.md, not yet measured):
+5 minutes on one H200 by an estimate, not yet measured):
 
     python benchmarks/gpu_check.py --json gpu_check.json
 
-The defaults are the README's GPU recipe: micro-batch 16, 512 tokens (128 prompt + 384
+The defaults are the GPU recipe's (docs/gpu.md): micro-batch 16, 512 tokens (128 prompt + 384
 completion). On CPU, at toy size: python benchmarks/gpu_check.py --config tiny --device cpu
 --script-steps 2 ... (tests/test_gpu_check.py)
 """
