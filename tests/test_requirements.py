@@ -1,0 +1,98 @@
+"""setup.sh's sets install on a fresh machine from the public indexes alone: every pin resolves from
+PyPI with this machine's pip configuration (its local wheel folder) switched off, except the pins
+setup.sh sends to PyTorch's CPU wheel index, which must be exactly those PyPI lacks."""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+PIN = re.compile(r"^([A-Za-z0-9_.-]+)==([^\s#;]+)", re.M)
+
+
+def public_pip(*args: str) -> subprocess.CompletedProcess:
+    """pip as on a fresh machine: no configuration file, no local wheel folder or constraint, PyPI only."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    return subprocess.run([sys.executable, "-m", "pip", *args, "--disable-pip-version-check"], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def resolves(pins: list[str], tmp_path, deps: bool = False) -> dict:
+    """{name: version} pip would install from PyPI for pins (a dry run: only metadata is fetched);
+    pip's error on a pin PyPI does not have."""
+    report = tmp_path / f"report-{len(list(tmp_path.iterdir()))}.json"
+    done = public_pip("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
+                      *([] if deps else ["--no-deps"]), *pins)
+    assert done.returncode == 0, f"not on PyPI for this platform ({pins}):\n{done.stderr[-2000:]}"
+    return {normalized(item["metadata"]["name"]): item["metadata"]["version"]
+            for item in json.loads(report.read_text())["install"]}
+
+
+def normalized(name: str) -> str:
+    """A project name as the index compares it (PEP 503): reasoning_gym is reasoning-gym."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def plan(device: str) -> dict:
+    """setup.sh --plan for a device: the set it installs and the pins it takes from PyTorch's index."""
+    out = subprocess.run(["bash", str(ROOT / "setup.sh"), "--plan"], env={**os.environ, "RL_LM_DEVICE": device},
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    words = [line.split() for line in out]
+    return {"files": [w[1] for w in words if w[0] in ("set", "nodeps")],
+            "torch_index": [w[1] for w in words if w[0] == "torch-index"]}
+
+
+def pins_of(files: list[str]) -> list[str]:
+    return [f"{normalized(name)}=={version}" for f in files for name, version in PIN.findall((ROOT / f).read_text())]
+
+
+def pypi_reachable() -> bool:
+    try:
+        socket.getaddrinfo("pypi.org", 443)
+        return True
+    except OSError:
+        return False
+
+
+needs_pypi = pytest.mark.skipif(not pypi_reachable(), reason="PyPI cannot be reached from here")
+
+
+def test_the_plan_sends_exactly_the_cpu_builds_to_pytorchs_index():
+    cpu, cuda = plan("cpu"), plan("cuda")
+    assert cpu["files"] == ["requirements-cpu.txt", "requirements-nodeps.txt"]
+    assert cuda["files"] == ["requirements.txt", "requirements-nodeps.txt"]
+    assert cpu["torch_index"] == [p for p in pins_of(cpu["files"]) if "+cpu" in p] == ["torch==2.13.0+cpu"]
+    assert cuda["torch_index"] == []
+
+
+@needs_pypi
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_every_other_pin_is_on_pypi_and_the_torch_index_pins_are_not(device, tmp_path):
+    p = plan(device)
+    public = [pin for pin in pins_of(p["files"]) if pin not in p["torch_index"]]
+    got = resolves(public, tmp_path)
+    assert sorted(f"{n}=={v}" for n, v in got.items()) == sorted(public)
+    for pin in p["torch_index"]:  # setup.sh is right to look elsewhere for these
+        with pytest.raises(AssertionError, match="not on PyPI"):
+            resolves([pin], tmp_path)
+    with pytest.raises(AssertionError, match="not on PyPI"):  # the check itself fails on a pin PyPI lacks
+        resolves(["tyro==0.0.999"], tmp_path)
+
+
+@needs_pypi
+@pytest.mark.slow
+def test_the_cuda_set_resolves_as_a_whole_from_pypi(tmp_path):
+    """With dependencies: the pins agree with each other (vLLM's own torch and transformers pins)."""
+    p = plan("cuda")
+    pins = pins_of(p["files"][:1])  # requirements-nodeps.txt is installed without its dependencies
+    got = resolves(pins, tmp_path, deps=True)
+    for pin in pins:
+        name, version = pin.split("==")
+        assert got[name] == version, (pin, got.get(name))
