@@ -359,13 +359,13 @@ def main(args: Args) -> None:
     seed_everything(args.seed)  # after the engine: in-process vLLM reseeds the global RNGs
     policy = dist.shard(load_policy(args.model, tokenizer, args.dtype, device, args.gradient_checkpointing,
                                     args.lora_rank, args.lora_alpha, args.lora_target_modules,
-                                    args.resume and os.path.join(args.resume, "policy")))
+                                    args.resume and os.path.join(args.resume, "policy")), precision)
     # the reference is the initial model, also when resuming (under LoRA: the policy, adapters off)
-    ref_model = dist.shard(load_reference(args.model, tokenizer, precision.frozen_dtype, device, policy)) \
+    ref_model = dist.shard(load_reference(args.model, tokenizer, precision.frozen_dtype, device, policy), precision) \
         if args.kl_coef > 0 else None
     critic = load_critic(args.resume and os.path.join(args.resume, "critic") or args.critic_model or args.model,
                          tokenizer, args.dtype, device, args.gradient_checkpointing)
-    critic = dist.shard(critic, called_alone=(critic.base_model, critic.score))  # see forward_values
+    critic = dist.shard(critic, precision, called_alone=(critic.base_model, critic.score))  # see forward_values
     reward_model = args.reward_model and load_reward_model(args.reward_model, precision.frozen_dtype, device)
     optimizer = torch.optim.AdamW([{"params": [p for p in policy.parameters() if p.requires_grad], "lr": args.lr},
                                    {"params": critic.parameters(), "lr": args.critic_lr}],

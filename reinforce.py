@@ -253,11 +253,11 @@ def main(args: Args) -> None:
     seed_everything(args.seed)  # after the engine: in-process vLLM reseeds the global RNGs
     policy = dist.shard(load_policy(args.model, tokenizer, args.dtype, device, args.gradient_checkpointing,
                                     args.lora_rank, args.lora_alpha, args.lora_target_modules,
-                                    args.resume and os.path.join(args.resume, "policy")))
+                                    args.resume and os.path.join(args.resume, "policy")), precision)
     # the reference is the initial model, also when resuming (unless refreshed, see ref_update_every;
     # under LoRA: the policy with its adapters off)
     ref_path = args.resume and args.ref_update_every and os.path.join(args.resume, "reference") or args.model
-    ref_model = dist.shard(load_reference(ref_path, tokenizer, precision.frozen_dtype, device, policy)) \
+    ref_model = dist.shard(load_reference(ref_path, tokenizer, precision.frozen_dtype, device, policy), precision) \
         if args.kl_coef > 0 else None
     models = {"policy": policy, **({"reference": ref_model} if ref_model is not None and args.ref_update_every else {})}
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr,

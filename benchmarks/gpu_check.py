@@ -27,16 +27,21 @@ Not in the peak: vLLM (its weights and KV cache, --vllm-gpu-memory-utilization o
 real run) and the frozen reference model (loaded when --kl-coef > 0; with LoRA it is the same
 model with adapters off). Add those to the numbers here.
 
-Then three more checks (--checks picks them):
+Then four more checks (--checks picks them):
 
     process_group   a one-GPU process group created as common/dist.py creates it (dist.backend:
                     NCCL for CUDA tensors, gloo for CPU ones), every kind of collective the
                     scripts hand it (CPU metrics and signal flags, device sums and gathers,
-                    pickled objects, barriers), and dist.shard (FSDP2) of the model with one update
+                    pickled objects, barriers), and dist.shard (FSDP2, bf16 mixed precision on
+                    CUDA) of the model: one update, gradient checkpointing (the same gradient),
+                    the LoRA merge of sharded weights (the unsharded model's merge)
     scripts         grpo.py and ppo.py end to end with --engine transformers (no vLLM): on the
                     bundled tiny model (--script-steps steps: does it learn?) and on a random
                     model of --config (3 steps: step time, memory, log-prob mismatch), under the
-                    scripts' own defaults for the device (bf16 on CUDA)
+                    scripts' own defaults for the device (bf16 on CUDA); grpo_multiturn.py's
+                    episodes on the tiny model (more than one turn)
+    sampling        per-rank sampling noise: two ranks (simulated) given the same prompt sample
+                    different completions, and one rank the same ones again
     packing         the bytes of a packed micro-batch's attention mask at these sizes, against
                     common/batch.py's bound
 
@@ -82,7 +87,10 @@ from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 import grpo  # noqa: E402
 from common import dist  # noqa: E402
 from common.batch import MAX_PACKED_MASK_BYTES, make_batch, packed_mask_bytes  # noqa: E402
+from common.engine import SamplingParams, create_engine, sync_weights  # noqa: E402
+from common.models import load_policy, load_tokenizer, merged_weights  # noqa: E402
 from common.ops import batched_logprobs, forward_logprobs, masked_mean  # noqa: E402
+from common.setup import Precision  # noqa: E402
 
 try:
     import peft
@@ -291,46 +299,102 @@ def check_process_group(args, device: torch.device) -> dict:
                 "broadcast_object_list (evaluation: on_main)": lambda: tdist.broadcast_object_list([{"a": 1}], src=0),
                 "barrier (checkpoints)": tdist.barrier,
                 "FSDP2 shard and one update": lambda: sharded_update(args, device),
+                "FSDP2 with gradient checkpointing (the same gradient)": lambda: sharded_checkpointing(args, device),
+                "LoRA merge of sharded weights (the unsharded merge)": lambda: sharded_lora_merge(args, device),
             }
             for name, collective in collectives.items():
                 try:
-                    collective()
-                    results[name] = "ok"
+                    outcome = collective()
+                    results[name] = outcome if isinstance(outcome, str) else "ok"  # a check may say "skipped"
                 except Exception as e:  # noqa: BLE001 - each is reported, the others still run
                     results[name] = f"FAILED: {type(e).__name__}: {e}"
         finally:
             tdist.destroy_process_group()
-    failed = [k for k, v in results.items() if v != "ok"]
+    failed = [k for k, v in results.items() if v.startswith("FAILED")]
     return {"backend": backend, **results,
             "status": "FAILED: " + "; ".join(failed) if failed else "ok"}
 
 
-def sharded_update(args, device: torch.device) -> None:
-    """dist.shard of the --config model (a one-process run leaves its model unsharded: the world
-    size is made 2 for the call, the mesh is the group's one rank) and one update through it."""
-    torch.manual_seed(SEED)
-    model = build_model(args.config, device, lora=False, gradient_checkpointing=False)
+def precision_of(device: torch.device) -> Precision:
+    """The scripts' numerics on this device (--precision auto): bf16 on CUDA, fp32 on CPU."""
+    return Precision.of(argparse.Namespace(precision="auto", vllm_is_cap=None, dtype="float32"), device.type)
+
+
+def shard(model, device: torch.device):
+    """dist.shard of the model (a one-process run leaves its model unsharded: the world size is made
+    2 for the call, the mesh is the group's one rank), in the scripts' precision for the device:
+    on CUDA FSDP2's mixed precision, bf16 weights gathered, gradients reduced in fp32."""
     with mock.patch.object(dist, "world_size", lambda: 2):
-        model = dist.shard(model)
+        return dist.shard(model, precision_of(device))
+
+
+def sharded_grad(args, device: torch.device, gradient_checkpointing: bool, step: bool = False) -> dict:
+    """The gradient of one GRPO loss through the sharded --config model ({name: whole gradient});
+    step: then clip and an AdamW step, checked to move every weight."""
+    torch.manual_seed(SEED)
+    model = shard(build_model(args.config, device, lora=False, gradient_checkpointing=gradient_checkpointing),
+                  device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     input_ids, attention_mask, completion_mask, advantages = rollout_batch(
         model.config.vocab_size, args.micro_batch_size, args.prompt_len, args.completion_len, device)
     C = completion_mask.shape[1]
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    with precision_of(device).autocast(device.type):
         logprobs = forward_logprobs(model, input_ids, attention_mask, C, TEMPERATURE)
     loss = grpo_loss(logprobs, logprobs.detach(), advantages, completion_mask, completion_mask.sum(),
                      len(input_ids))
     loss.backward()
-    before = {n: dist.full_tensor(p).detach().clone() for n, p in model.named_parameters()}
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
-    optimizer.step()
-    assert math.isfinite(float(dist.full_tensor(grad_norm))), "gradient norm not finite"
-    moved = sum(not torch.equal(before[n], dist.full_tensor(p)) for n, p in model.named_parameters())
-    assert moved == len(before), f"the update moved {moved} of {len(before)} sharded weights"
+    grads = {n: dist.full_tensor(p.grad).detach().float().cpu() for n, p in model.named_parameters()}
+    if step:
+        before = {n: dist.full_tensor(p).detach().clone() for n, p in model.named_parameters()}
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        optimizer.step()
+        assert math.isfinite(float(dist.full_tensor(grad_norm))), "gradient norm not finite"
+        moved = sum(not torch.equal(before[n], dist.full_tensor(p)) for n, p in model.named_parameters())
+        assert moved == len(before), f"the update moved {moved} of {len(before)} sharded weights"
     del model, optimizer
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    return grads
+
+
+def sharded_update(args, device: torch.device) -> None:
+    """dist.shard of the --config model and one update through it."""
+    sharded_grad(args, device, gradient_checkpointing=False, step=True)
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    a, b = (torch.cat([t[n].flatten() for n in sorted(a)]) for t in (a, b))
+    return float((a - b).norm() / a.norm())
+
+
+def sharded_checkpointing(args, device: torch.device) -> None:
+    """Gradient checkpointing under FSDP2 (the backward gathers each layer again to recompute it):
+    the same gradient as without it, to the rounding of the precision (bf16 on CUDA)."""
+    off, on = (sharded_grad(args, device, gradient_checkpointing) for gradient_checkpointing in (False, True))
+    tolerance = 1e-2 if precision_of(device).autocast_dtype else 1e-5
+    difference = relative_difference(off, on)
+    assert difference < tolerance, f"checkpointing changed the gradient by {difference:.1e} of its norm"
+
+
+def sharded_lora_merge(args, device: torch.device) -> None:
+    """What vLLM and final/ get from a sharded LoRA policy (common.models.merged_weights: W + scale *
+    B A of the sharded W, A and B, gathered weight by weight) is the merge of the same model unsharded."""
+    if peft is None:
+        return "skipped: peft is not installed"
+    torch.manual_seed(SEED)
+    model = build_model(args.config, device, lora=True, gradient_checkpointing=False)
+    with torch.no_grad():  # adapters that change the model (B starts at 0)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    whole = {n: t.clone() for n, t in merged_weights(model)}
+    sharded = dict(merged_weights(shard(model, device)))
+    assert sharded.keys() == whole.keys(), "the sharded merge names other weights"
+    changed = [n for n in whole if not torch.allclose(whole[n], sharded[n], rtol=1e-5, atol=1e-7)]
+    assert not changed, f"the sharded merge differs in {len(changed)} weights, e.g. {changed[0]}"
+    del model, whole, sharded
+    gc.collect()
 
 
 # ---------------------------------------------------------------------------------------
@@ -348,6 +412,9 @@ def random_model(config_name: str, folder: Path) -> str:
         if "token" in name or name.endswith((".jinja", ".txt")):  # the tokenizer's files, not its model
             shutil.copy(ROOT / "models" / "tiny-sort" / name, folder / name)
     return str(folder)
+
+
+MULTITURN = ["--task", "sort", "--env", "examples/my_env.py:retry", "--max-new-tokens", "40", "--max-turn-tokens", "12"]
 
 
 def run_script(script: str, model: str, flags: list[str], folder: Path, learn: bool) -> dict:
@@ -373,7 +440,8 @@ def run_script(script: str, model: str, flags: list[str], folder: Path, learn: b
                   peak_memory_gib=max(r["memory/peak_gib"] for r in steps),
                   logprob_mismatch=statistics.mean(r["rollout/logprob_mismatch"] for r in steps),
                   accuracy_start=evals[0], accuracy_end=evals[-1],
-                  losses_finite=all(math.isfinite(v) for r in steps for k, v in r.items() if k.startswith("loss/")))
+                  losses_finite=all(math.isfinite(v) for r in steps for k, v in r.items() if k.startswith("loss/")),
+                  turns_mean=statistics.mean(r.get("env/turns_mean", 1) for r in steps))
     problems = [] if result["losses_finite"] else ["a loss is not finite"]
     if learn and result["accuracy_end"] < result["accuracy_start"] + 0.25:
         problems.append(f"did not learn: held-out accuracy {evals[0]:.2f} -> {evals[-1]:.2f}")
@@ -399,6 +467,12 @@ def check_scripts(args, device: torch.device) -> list[dict]:
                      "--max-new-tokens", str(args.completion_len), "--lr", str(LR)]
             results.append(run_script(script, large, flags, tmp, learn=False))
             print(describe_script(results[-1]), flush=True)
+        # multi-turn episodes: the retry environment answers a wrong sort, the policy tries again
+        flags = ["--steps", str(args.script_steps), "--eval-every", "0", *batch, *MULTITURN]
+        results.append(run_script("grpo_multiturn.py", str(ROOT / "models" / "tiny-sort"), flags, tmp, learn=False))
+        if results[-1]["status"] == "ok" and not results[-1]["turns_mean"] > 1:
+            results[-1]["status"] = f"FAILED: no multi-turn episodes (mean turns {results[-1]['turns_mean']})"
+        print(describe_script(results[-1]), flush=True)
     return results
 
 
@@ -410,6 +484,29 @@ def describe_script(r: dict) -> str:
             f"{r['median_train_s']:.2f}; first {r['first_step_s']:.2f})  peak {r['peak_memory_gib']:.2f} GiB  "
             f"mismatch {r['logprob_mismatch']:.1e}  accuracy {r['accuracy_start']:.2f} -> {r['accuracy_end']:.2f}  "
             f"{r['status']}")
+
+
+def check_sampling(device: torch.device) -> dict:
+    """Per-rank sampling noise, as the scripts' transformers engine draws it: rank 0 and rank 1 of a
+    2-rank job (simulated: their place in the whole batch), given the same prompt, sample different
+    completions; the same rank again samples the same ones (seeded, not the global RNG)."""
+    tokenizer = load_tokenizer(str(ROOT / "models" / "tiny-sort"))
+    policy = load_policy(str(ROOT / "models" / "tiny-sort"), tokenizer, "float32", str(device))
+    prompt = tokenizer("sort 52813:")["input_ids"]
+    params = SamplingParams(n=8, temperature=1.0, max_tokens=16, logprobs=0, stop_token_ids=[tokenizer.eos_token_id])
+
+    def completions(rank: int) -> list[list[int]]:
+        llm = create_engine(str(ROOT / "models" / "tiny-sort"), seed=SEED, max_model_len=64,
+                            dtype=precision_of(device).engine_dtype, engine="transformers")
+        sync_weights(llm, policy)
+        with mock.patch.object(dist, "rank", lambda: rank), \
+                mock.patch.object(dist, "first_index", lambda count: rank * count):
+            return [c.token_ids for c in llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs]
+
+    rank_0, rank_1, rank_0_again = completions(0), completions(1), completions(0)
+    problems = ["two ranks sampled the same completions of one prompt"] if rank_0 == rank_1 else []
+    problems += ["one rank's samples are not reproducible"] if rank_0 != rank_0_again else []
+    return {"rank_0": rank_0, "rank_1": rank_1, "status": "FAILED: " + "; ".join(problems) if problems else "ok"}
 
 
 def check_packing(args) -> dict:
@@ -431,7 +528,7 @@ def describe(result: dict, device: torch.device) -> str:
             f"changed {result['trainable_changed']}/{result['trainable_tensors']}  {result['status']}")
 
 
-CHECKS = ["update", "process_group", "scripts", "packing"]
+CHECKS = ["update", "process_group", "scripts", "sampling", "packing"]
 
 
 def parse_args(argv=None):
@@ -484,6 +581,9 @@ def main(argv=None) -> int:
               f"{report['process_group']['status']}", flush=True)
     if "scripts" in args.checks:
         report["scripts"] = check_scripts(args, device)
+    if "sampling" in args.checks:
+        report["sampling"] = check_sampling(device)
+        print(f"per-rank sampling noise (two ranks, one prompt): {report['sampling']['status']}", flush=True)
     if "packing" in args.checks:
         report["packing"] = check_packing(args)
         print(f"packed mask at {report['packing']['packed_len']} tokens: {report['packing']['sdpa_mask_bytes']:,} "
@@ -496,7 +596,8 @@ def main(argv=None) -> int:
     failed = [r["variant"] for r in results if r["status"].startswith("FAILED")]
     failed += [f"scripts: {r['script']} on {r['model']}" for r in report.get("scripts", [])
                if r["status"].startswith("FAILED")]
-    failed += [name for name in ("process_group", "packing") if report.get(name, {}).get("status", "ok") != "ok"]
+    failed += [name for name in ("process_group", "sampling", "packing")
+               if report.get(name, {}).get("status", "ok") != "ok"]
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

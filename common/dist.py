@@ -187,24 +187,34 @@ def barrier() -> None:
         tdist.barrier()
 
 
-def shard(model: torch.nn.Module, called_alone: tuple = ()) -> torch.nn.Module:
+def shard(model: torch.nn.Module, precision, called_alone: tuple = ()) -> torch.nn.Module:
     """FSDP2 (fully_shard) over the ranks: each decoder layer is one unit, the rest (embeddings,
     final norm, heads) the root's; the model is returned, sharded in place. Forward passes gather a
     layer's weights just before it runs and free them after. Gradients are summed over ranks, not
     averaged (see the module docstring). called_alone: submodules the caller runs directly rather
     than through the model's forward (PPO's critic: its body and its value head), each a unit of
-    its own so that calling it gathers its weights. One process: the model as it is."""
+    its own so that calling it gathers its weights. One process: the model as it is.
+
+    precision (common/setup.py's Precision) under bf16: FSDP2's own mixed precision. Each unit's
+    weights are gathered in bf16 (half the traffic) and the forward and backward run on those, the
+    gradients are reduce-scattered in fp32, and the shards (the optimizer's weights) keep their
+    dtype. Autocast alone would gather fp32 weights and keep its bf16 copy of each for the
+    backward: a whole bf16 model per rank. The scripts' autocast stays on around the forward (it
+    keeps the softmax-like ops in fp32, and is the one-process path); over bf16 weights it copies
+    nothing. A frozen bf16 model (the reference) is gathered as it is."""
     if world_size() == 1 or not any(True for _ in model.parameters()):  # e.g. LoRA's reference: adapters off
         return model
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+    bf16 = precision.autocast_dtype
+    policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
         if type(module).__name__ in layer_classes:
-            fully_shard(module)
+            fully_shard(module, mp_policy=policy)
     for module in called_alone:
-        fully_shard(module)
-    fully_shard(model)
+        fully_shard(module, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # a sum over ranks, not a mean

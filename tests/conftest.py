@@ -62,6 +62,29 @@ def keep_engine(engine):
 GPU_SHARE = 0.08
 
 
+def device_processes() -> int:
+    """How many processes of one job a test may start on this machine's compute device: one a GPU
+    on CUDA (each rank takes a GPU of its own; NCCL refuses two ranks on one), any number on CPU
+    (gloo: they share the cores)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else sys.maxsize
+
+
+def need_processes(n: int) -> None:
+    """Skips the calling test (or fixture), saying why, if it would start more than device_processes()."""
+    if n > device_processes():
+        pytest.skip(f"starts {n} processes, one a GPU: this machine has {device_processes()} GPU(s)")
+
+
+def node_env(node: int) -> dict:
+    """The environment of "node" `node` when a test runs several launchers on this one machine: on
+    CUDA its own GPU (every node's first rank has LOCAL_RANK 0, and so would take GPU 0), as on
+    machines of their own; on CPU nothing."""
+    if not torch.cuda.is_available():
+        return {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(torch.cuda.device_count())))
+    return {"CUDA_VISIBLE_DEVICES": visible.split(",")[node]}
+
+
 def logprob_tolerance(args) -> float:
     """vLLM's and the trainer's log-probs of the same tokens agree to ~1e-5 in float32 and
     to ~1e-2 in bfloat16, the default precision on CUDA."""

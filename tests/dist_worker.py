@@ -1,13 +1,17 @@
 """One optimizer step of the scripts' update on a fixed rollout batch, in one process or under
-torchrun: `python tests/dist_worker.py OUT.pt` or `torchrun --nproc-per-node 2 tests/dist_worker.py OUT.pt`.
+torchrun: `python tests/dist_worker.py OUT.pt` or `torchrun --nproc-per-node 2 tests/dist_worker.py OUT.pt`,
+then optionally `--precision bf16`, `--gradient-checkpointing`, `--cases CASE ...` (default: CASES).
 
 Every rank builds the same batch (8 completions, 2 prompts x 4) and takes its share, as the scripts
 do with their prompts; the scripts' own advantage functions and their own update (step 5: the
 micro-batch loop, common/dist.py's normalizers, FSDP2 sharding, clipping) compute the gradient,
 then AdamW takes one step. Rank 0 saves, per case, the whole (clipped) gradient and the parameter
-change, so that tests/test_dist.py can compare N processes with one.
+change, so that tests/test_dist.py can compare N processes with one, and the dtypes of the weights
+the linear layers ran with (FSDP2 gathers them just before: its mixed precision shows there).
 """
 
+import argparse
+import collections
 import os
 import sys
 from pathlib import Path
@@ -28,6 +32,8 @@ from common.setup import Precision  # noqa: E402
 TINY_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "tiny-sort")
 G, NUM_PROMPTS, MICRO = 4, 2, 3  # micro-batches of 3 rows: one process and each rank cut the batch differently
 FP32 = Precision(None, "float32", "float32", vllm_is_cap=0.0)  # vLLM's log-probs are pi_old's here: no weights
+PRECISIONS = {"fp32": FP32, "bf16": Precision(torch.bfloat16, "bfloat16", "bfloat16", vllm_is_cap=0.0)}
+CASES = ("grpo:token-mean", "grpo:seq-mean-token-mean", "reinforce", "ppo")
 
 
 def rollout_batch(vocab: int):
@@ -48,13 +54,13 @@ class RecordingAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def update(policy, critic, optimizer, case: str, input_ids, attention_mask, completion_mask, rewards):
+def update(policy, critic, optimizer, case: str, input_ids, attention_mask, completion_mask, rewards, precision=FP32):
     """The scripts' step 4 and their own step 5 for one case on this rank's rows: advantages, then
     one optimizer step over micro-batches with the minibatch's global totals. Returns the grad norm."""
     from common.ops import batched_logprobs
 
     loss_mask, C = completion_mask, completion_mask.shape[1]
-    old_logprobs = batched_logprobs(policy, input_ids, attention_mask, C, 1.0, 1)
+    old_logprobs = batched_logprobs(policy, input_ids, attention_mask, C, 1.0, 1, precision.autocast_dtype)
     # a stand-in for the policy that sampled and for the reference: fixed offsets, so ratios and KL are not trivial
     offsets = torch.linspace(-0.05, 0.05, C).expand_as(old_logprobs)
     old_logprobs, ref_logprobs = old_logprobs + offsets, old_logprobs - 2 * offsets
@@ -64,38 +70,53 @@ def update(policy, critic, optimizer, case: str, input_ids, attention_mask, comp
     if case.startswith("grpo"):
         args = grpo.Args(loss_agg=case.split(":")[1], kl_coef=0.04, num_minibatches=1, micro_batch_size=MICRO)
         advantages = grpo.compute_advantages(rewards, G, args.scale_rewards)
-        stats, _ = grpo.update(policy, optimizer, scheduler, args, FP32, **batch, ref_logprobs=ref_logprobs,
+        stats, _ = grpo.update(policy, optimizer, scheduler, args, precision, **batch, ref_logprobs=ref_logprobs,
                                advantages=advantages)
     elif case == "reinforce":
         args = reinforce.Args(baseline="batch-mean", kl_coef=0.0, micro_batch_size=MICRO)
         returns = reinforce.compute_returns(rewards, torch.zeros_like(old_logprobs), loss_mask, args.kl_coef)
         baseline, _ = reinforce.update_baseline(None, returns, args)
         advantages = reinforce.compute_advantages(returns, loss_mask, baseline)
-        stats, _ = reinforce.update(policy, optimizer, scheduler, args, FP32, **batch, advantages=advantages)
+        stats, _ = reinforce.update(policy, optimizer, scheduler, args, precision, **batch, advantages=advantages)
     else:
         args = ppo.Args(whiten_advantages=True, num_minibatches=1, micro_batch_size=MICRO)
         values = torch.zeros_like(old_logprobs)
         token_rewards = ppo.compute_token_rewards(rewards, old_logprobs - ref_logprobs, loss_mask, args.kl_coef)
         advantages, returns = ppo.compute_advantages(token_rewards, values, loss_mask, args.gamma, args.lam)
         advantages = ppo.whiten(advantages, loss_mask)
-        stats, _ = ppo.update(policy, critic, optimizer, scheduler, args, FP32, **batch, advantages=advantages,
+        stats, _ = ppo.update(policy, critic, optimizer, scheduler, args, precision, **batch, advantages=advantages,
                               old_values=values, returns=returns)
     return stats["optim/grad_norm"][0]
 
 
-def main(out: str) -> None:
+def record_weight_dtypes(model, seen: collections.Counter) -> None:
+    """Counts in seen the linear layers' calls by the dtype of the weight they ran with (under FSDP2
+    the gathered weight; autocast casts a copy inside the layer, not the weight), and under
+    "recomputed" the calls in a backward pass: gradient checkpointing's."""
+    def hook(module, _):
+        seen.update([str(module.weight.dtype)] + (["recomputed"] if torch._C._current_graph_task_id() >= 0 else []))
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(hook)
+
+
+def main(out: str, precision: str = "fp32", gradient_checkpointing: bool = False, cases=CASES) -> None:
     device = dist.init()
     torch.manual_seed(0)
     tokenizer = load_tokenizer(TINY_MODEL)
-    results = {"world_size": dist.world_size()}
-    for case in ("grpo:token-mean", "grpo:seq-mean-token-mean", "reinforce", "ppo"):
-        policy = dist.shard(load_policy(TINY_MODEL, tokenizer, "float32", device))
+    precision = PRECISIONS[precision]
+    results = {"world_size": dist.world_size(), "weight_dtypes": collections.Counter()}
+    for case in cases:
+        policy = dist.shard(load_policy(TINY_MODEL, tokenizer, "float32", device, gradient_checkpointing), precision)
+        record_weight_dtypes(policy, results["weight_dtypes"])
         before = {n: dist.full_tensor(p.detach()).clone() for n, p in policy.named_parameters()}
         params = list(policy.parameters())
         critic = None
         if case == "ppo":  # its value head starts at zero: values 0, as the stand-in old values
-            critic = ppo.load_critic(TINY_MODEL, tokenizer, "float32", device)
-            critic = dist.shard(critic, called_alone=(critic.base_model, critic.score))
+            critic = ppo.load_critic(TINY_MODEL, tokenizer, "float32", device, gradient_checkpointing)
+            critic = dist.shard(critic, precision, called_alone=(critic.base_model, critic.score))
+            record_weight_dtypes(critic, results["weight_dtypes"])
             params += list(critic.parameters())
         # a large step: the parameter change stays far above the float32 rounding of the parameters themselves
         optimizer = RecordingAdamW(params, lr=0.1)
@@ -104,12 +125,20 @@ def main(out: str) -> None:
         share = dist.share(list(range(len(prompts))))  # whole groups: 4 rows per rank under 2 processes
         batch = make_batch([prompts[i] for i in share], [completions[i] for i in share], tokenizer.pad_token_id,
                            device)
-        grad_norm = update(policy, critic, optimizer, case, *batch, rewards[share])
+        grad_norm = update(policy, critic, optimizer, case, *batch, rewards[share], precision)
         delta = {n: dist.full_tensor(p.detach()) - before[n] for n, p in policy.named_parameters()}
         results[case] = {"grad": optimizer.grad, "delta": delta, "grad_norm": grad_norm}
+    results["recomputed"] = results["weight_dtypes"].pop("recomputed", 0)
+    results["weight_dtypes"] = dict(results["weight_dtypes"])
     if dist.is_main():
         torch.save(results, out)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--precision", choices=list(PRECISIONS), default="fp32")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=CASES)
+    options = parser.parse_args()
+    main(options.out, options.precision, options.gradient_checkpointing, options.cases)

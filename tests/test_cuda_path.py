@@ -1,12 +1,14 @@
 """The CUDA path's rules, checked on CPU with stand-ins: the process group's backend serves every
 device type a collective is handed (tests/test_dist.py checks the tensors a 2-process job hands
-it), and a checkpoint's CUDA RNG state resumes on any number of GPUs."""
+it), a checkpoint's CUDA RNG state resumes on any number of GPUs, and the suite's multi-process
+tests start at most one process a GPU (or skip, saying why)."""
 
 import pytest
 import torch
 import torch.distributed as tdist
 
 from common import dist, run
+from tests.conftest import device_processes, need_processes, node_env
 
 
 def test_the_cuda_group_takes_cpu_tensors_too():
@@ -85,3 +87,31 @@ def test_an_older_checkpoint_with_every_gpus_state_restores_this_gpus(monkeypatc
     state = unchanged.states[12]
     run.set_rng_state(saved)
     assert unchanged.states[12] is state
+
+
+def fake_gpus(monkeypatch, n: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def test_a_multi_process_test_skips_on_fewer_gpus_than_processes(monkeypatch):
+    fake_gpus(monkeypatch, 1)
+    assert device_processes() == 1
+    need_processes(1)
+    with pytest.raises(pytest.skip.Exception, match="starts 2 processes, one a GPU: this machine has 1 GPU"):
+        need_processes(2)
+    fake_gpus(monkeypatch, 2)
+    need_processes(2)
+    fake_gpus(monkeypatch, 0)  # CPU: gloo ranks share the cores
+    need_processes(2)
+    need_processes(8)
+
+
+def test_two_launchers_on_one_machine_each_see_a_gpu_of_their_own(monkeypatch):
+    fake_gpus(monkeypatch, 2)
+    assert [node_env(0), node_env(1)] == [{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")  # the GPUs this job was given
+    assert [node_env(0), node_env(1)] == [{"CUDA_VISIBLE_DEVICES": "3"}, {"CUDA_VISIBLE_DEVICES": "5"}]
+    fake_gpus(monkeypatch, 0)
+    assert node_env(1) == {}

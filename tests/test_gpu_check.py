@@ -106,18 +106,24 @@ def test_the_process_group_scripts_and_packing_checks_at_toy_size(tmp_path):
     """The GPU machine's other checks, here on CPU: a group made as common/dist.py makes it takes
     every kind of collective and FSDP2; grpo.py and ppo.py run end to end with --engine
     transformers on the tiny model and a random model of --config; the mask's bytes are L^2."""
-    status, report, stderr = run_alone(tmp_path, "--checks", "process_group", "scripts", "packing",
+    status, report, stderr = run_alone(tmp_path, "--checks", "process_group", "scripts", "sampling", "packing",
                                        "--script-steps", "2", "--script-steps-large", "2")
     assert status == 0, stderr[-2000:]
     group = report["process_group"]
     assert group["backend"] == "gloo" and group["status"] == "ok"
-    assert len(group) == 10 and all(v == "ok" for k, v in group.items() if k != "backend")
+    assert len(group) == 12 and all(v == "ok" for k, v in group.items() if k != "backend")
+    assert "FSDP2 with gradient checkpointing (the same gradient)" in group
+    assert "LoRA merge of sharded weights (the unsharded merge)" in group
     runs = report["scripts"]
     assert [(r["script"], r["model"]) for r in runs] == [("grpo.py", "tiny-sort"), ("grpo.py", "tiny"),
-                                                         ("ppo.py", "tiny-sort"), ("ppo.py", "tiny")]
+                                                         ("ppo.py", "tiny-sort"), ("ppo.py", "tiny"),
+                                                         ("grpo_multiturn.py", "tiny-sort")]
     for r in runs:
         assert r["status"] == "ok" and r["exit_code"] == 0 and r["steps"] == 2 and r["losses_finite"]
         assert r["logprob_mismatch"] < 1e-4 and r["peak_memory_gib"] > 0 and r["median_step_s"] > 0
+    assert runs[-1]["turns_mean"] > 1
+    sampling = report["sampling"]
+    assert sampling["status"] == "ok" and sampling["rank_0"] != sampling["rank_1"] and len(sampling["rank_0"]) == 8
     L = 2 * (8 + 8)  # micro-batch x (prompt + completion)
     assert report["packing"]["sdpa_mask_bytes"] == L * L and report["packing"]["eager_mask_bytes"] == 4 * L * L
 

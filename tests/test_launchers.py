@@ -1,6 +1,7 @@
 """The launchers as users run them: a SIGTERM to `torchrun` itself, as schedulers send it, and
 two `torchrun` launchers as two nodes (here on one machine: each node's rank has LOCAL_RANK 0,
-so a local rank taken for the global one, or the reverse, shows).
+so a local rank taken for the global one, or the reverse, shows; on CUDA each node sees a GPU of
+its own, conftest.node_env). Every test here needs 2 processes: one a GPU on CUDA.
 
 Each launch takes a minute or more on 2 cores (a vLLM engine per rank), so the tests share them: the
 two-node launch resumes the checkpoint that the signalled run saved.
@@ -24,7 +25,7 @@ import pytest
 
 import common.interrupt
 from common.interrupt import GracefulInterrupt
-from tests.conftest import ROOT, TINY_MODEL
+from tests.conftest import ROOT, TINY_MODEL, need_processes, node_env
 from tests.test_dist import SMALL
 from tests.test_grpo_e2e import read_metrics
 
@@ -33,23 +34,26 @@ SLOW_STEP_S = 3
 SHUTDOWN_TIMEOUT_S = 300  # the README's --shutdown-timeout, sized for this machine
 
 
-def torchrun(flags: list, script_and_args: list, cwd, log: Path) -> subprocess.Popen:
+def torchrun(flags: list, script_and_args: list, cwd, log: Path, **env) -> subprocess.Popen:
     """`torchrun FLAGS SCRIPT ARGS` started in cwd, its output (every rank's) into log: a file, not
     a pipe that nobody reads while the run goes on."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PID_DIR": str(log.parent)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PID_DIR": str(log.parent), **env}
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *map(str, flags),
                                  *map(str, script_and_args)], cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def two_nodes(script_and_args: list, cwds: list, logs: list) -> list[subprocess.Popen]:
-    """The README's multi-node command, once per "node", on this machine (a free port)."""
+    """The README's multi-node command, once per "node", on this machine (a free port), each node
+    on a GPU of its own on CUDA."""
+    need_processes(2)
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     flags = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
              f"localhost:{port}", "--rdzv-id", "test", "--shutdown-timeout", SHUTDOWN_TIMEOUT_S]
-    return [torchrun(flags, script_and_args, cwd, log) for cwd, log in zip(cwds, logs)]
+    return [torchrun(flags, script_and_args, cwd, log, **node_env(node))
+            for node, (cwd, log) in enumerate(zip(cwds, logs))]
 
 
 def finish(proc: subprocess.Popen, log: Path, timeout_s: int) -> str:
@@ -96,6 +100,7 @@ def stopped(tmp_path_factory):
     twice, directly and from torchrun. (Two signals that arrive before the rank's Python handler
     runs merge into one; the test lets the handler run in between, as a rank busy in Python
     code does.)"""
+    need_processes(2)
     tmp = tmp_path_factory.mktemp("stopped")
     out, log = tmp / "run", tmp / "torchrun.log"
     proc = torchrun(["--nproc-per-node", "2", "--shutdown-timeout", SHUTDOWN_TIMEOUT_S],
