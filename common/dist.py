@@ -193,10 +193,15 @@ def shard(model: torch.nn.Module, called_alone: tuple = ()) -> torch.nn.Module:
     layer's weights just before it runs and free them after. Gradients are summed over ranks, not
     averaged (see the module docstring). called_alone: submodules the caller runs directly rather
     than through the model's forward (PPO's critic: its body and its value head), each a unit of
-    its own so that calling it gathers its weights. One process: the model as it is."""
+    its own so that calling it gathers its weights. Every rank starts from rank 0's weights, as one
+    process would (what FSDP1's sync_module_states did): weights drawn at load (LoRA's adapters) come
+    from each rank's own generator (common/run.py seed_everything). One process: the model as it is."""
     if world_size() == 1 or not any(True for _ in model.parameters()):  # e.g. LoRA's reference: adapters off
         return model
     from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for p in model.parameters():
+        tdist.broadcast(p.detach(), src=0)
 
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():

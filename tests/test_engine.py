@@ -179,10 +179,10 @@ def test_ranks_with_unequal_budgets_or_no_request_decode_in_step_and_sample_the_
     process, which are those of the whole split in one batch; and counts as one engine call."""
     from tests.test_dist import torchrun
 
-    one = subprocess.run([sys.executable, "tests/engine_worker.py", tmp_path / "one.pt"], cwd=ROOT,
+    one = subprocess.run([sys.executable, "tests/engine_worker.py", "transformers", tmp_path / "one.pt"], cwd=ROOT,
                          capture_output=True, text=True)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = torchrun("tests/engine_worker.py", tmp_path / "two.pt")
+    two = torchrun("tests/engine_worker.py", "transformers", tmp_path / "two.pt")
     output = two.communicate(timeout=600)[0]
     assert two.returncode == 0, output[-3000:]
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
