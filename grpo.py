@@ -255,7 +255,7 @@ def main(args: Args) -> None:
     run = Run(args)  # the run folder (new, or the resumed run's), checked before anything heavy
     precision = Precision.of(args, device)  # bf16 autocast or fp32: --precision
     llm = create_engine(args.model, **engine_options(args, max_prompt_len, precision))
-    seed_everything(args.seed)  # after the engine: in-process vLLM reseeds the global RNGs
+    seed_everything(args.seed, dist.rank())  # each rank its own; after the engine, which reseeds the global RNGs
     policy = dist.shard(load_policy(args.model, tokenizer, args.dtype, device, args.gradient_checkpointing,
                                     args.lora_rank, args.lora_alpha, args.lora_target_modules,
                                     args.resume and os.path.join(args.resume, "policy")), precision)

@@ -193,7 +193,10 @@ def shard(model: torch.nn.Module, precision, called_alone: tuple = ()) -> torch.
     layer's weights just before it runs and free them after. Gradients are summed over ranks, not
     averaged (see the module docstring). called_alone: submodules the caller runs directly rather
     than through the model's forward (PPO's critic: its body and its value head), each a unit of
-    its own so that calling it gathers its weights. One process: the model as it is.
+    its own so that calling it gathers its weights. Every rank starts from rank 0's weights, as one
+    process would (what FSDP1's sync_module_states did): weights drawn at load (LoRA's adapters, PPO's
+    value head) come from each rank's own generator (common/run.py seed_everything). One process: the
+    model as it is.
 
     precision (common/setup.py's Precision) under bf16: FSDP2's own mixed precision. Each unit's
     weights are gathered in bf16 (half the traffic) and the forward and backward run on those, the
@@ -201,11 +204,13 @@ def shard(model: torch.nn.Module, precision, called_alone: tuple = ()) -> torch.
     dtype. Autocast alone would gather fp32 weights and keep its bf16 copy of each for the
     backward: a whole bf16 model per rank. The scripts' autocast stays on around the forward (it
     keeps the softmax-like ops in fp32, and is the one-process path); over bf16 weights it copies
-    nothing. A frozen bf16 model (the reference) is gathered as it is."""
+    nothing."""
     if world_size() == 1 or not any(True for _ in model.parameters()):  # e.g. LoRA's reference: adapters off
         return model
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+    for p in model.parameters():  # rank 0's weights everywhere (see above)
+        tdist.broadcast(p.detach(), src=0)
     bf16 = precision.autocast_dtype
     policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])

@@ -208,6 +208,10 @@ def sync_weights(llm, model: PreTrainedModel) -> None:
 # evaluation: greedy decoding on the held-out split
 # ---------------------------------------------------------------------------------------
 
+EVAL_BATCH = 64
+"""prompts a rank decodes at once in the transformers engine's evaluation (its memory grows with the batch)"""
+
+
 def evaluate(llm, tokenizer, task, max_new_tokens: int, chat_template: bool = True,
              system_prompt: str | None = None, reward_timeout: float = 0.0, episodes=None) -> dict:
     """Greedy accuracy (reward >= 1) and mean reward on the task's eval split, through vLLM.
@@ -217,30 +221,63 @@ def evaluate(llm, tokenizer, task, max_new_tokens: int, chat_template: bool = Tr
     task's reward is called as in training (common/rewards.py Reward): a verifier that fails is
     one line, a call past reward_timeout seconds scores 0 and is counted (eval/timeouts).
     Under torchrun rank 0 evaluates (the numbers of one process) and every rank gets them; with
-    a TransformersEngine every rank decodes the same prompts (the sharded policy's forward needs
-    every rank), to the same numbers. episodes: multi-turn rollouts (grpo_multiturn.py),
-    episodes(prompt_ids, examples) -> (the final answers, more eval metrics), greedy."""
-    if isinstance(llm, TransformersEngine):
-        return _evaluate(llm, tokenizer, task, max_new_tokens, chat_template, system_prompt, reward_timeout, episodes)
-    return dist.on_main(_evaluate, llm, tokenizer, task, max_new_tokens, chat_template, system_prompt, reward_timeout,
-                        episodes)
+    a TransformersEngine (the sharded policy's forward needs every rank) each rank decodes its share
+    of the split, EVAL_BATCH prompts at a time and in step with the others (eval_batches), and every
+    rank gets the whole split's numbers, those of one process. episodes: multi-turn rollouts
+    (grpo_multiturn.py), episodes(prompt_ids, examples) -> (the final answers, more eval metrics), greedy."""
+    need(episodes is None or len(task.eval) >= dist.world_size(),
+         f"the eval split has {len(task.eval)} examples, fewer than the {dist.world_size()} ranks that share its episodes")
+    how = (tokenizer, task.reward, max_new_tokens, chat_template, system_prompt, reward_timeout, episodes)
+    if not isinstance(llm, TransformersEngine):
+        return dist.on_main(lambda: _metrics([_evaluate(llm, task.eval, *how)]))
+    calls = llm.calls
+    mine = [_evaluate(llm, examples, *how) for examples in eval_batches(task.eval, EVAL_BATCH)]
+    llm.calls = calls + 1  # an evaluation is one call however it is cut: the samples after it do not depend on that
+    ranks = dist.all_gather_objects([mine])
+    return _metrics([part[b] for b in range(len(mine)) for part in ranks])  # the split's order
 
 
-def _evaluate(llm, tokenizer, task, max_new_tokens: int, chat_template: bool, system_prompt: str | None,
-              reward_timeout: float, episodes) -> dict:
+def eval_batches(items: list, batch_size: int) -> list[list]:
+    """This rank's share of items, in batches of at most batch_size, as many on every rank (the ranks decode
+    in step): the fewest even cuts of at most N * batch_size items, each cut shared evenly among the N ranks,
+    in rank order. A rank's batch is empty only where the split has fewer items than there are ranks."""
+    cuts = _even_parts(items, max(1, -(-len(items) // (dist.world_size() * batch_size))))
+    return [_even_parts(cut, dist.world_size())[dist.rank()] for cut in cuts]
+
+
+def _even_parts(items: list, k: int) -> list[list]:
+    """items cut into k contiguous parts whose sizes differ by one at most (the longer ones first)."""
+    q, r = divmod(len(items), k)
+    bounds = [i * q + min(i, r) for i in range(k + 1)]
+    return [items[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def _evaluate(llm, examples: list[dict], tokenizer, reward, max_new_tokens: int, chat_template: bool,
+              system_prompt: str | None, reward_timeout: float, episodes) -> tuple:
+    """(rewards, timeouts, more metrics, episodes' count) of greedy completions of examples."""
     SamplingParams = _sampling_params_class(llm)
-    prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in task.eval], chat_template, system_prompt)
+    prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in examples], chat_template, system_prompt)
     greedy = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
     with awake(llm):
-        if episodes is None:
+        if episodes is None:  # an empty share (fewer prompts than ranks) still decodes along
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy, use_tqdm=False)
             answers, more = [o.outputs[0].text for o in outputs], {}
         else:
-            answers, more = episodes(prompt_ids, task.eval)
-    verifier = Reward([RewardTerm("correct", task.reward, 1.0, "correct")], reward_timeout)
-    rewards, parts = verifier(answers, task.eval)
+            answers, more = episodes(prompt_ids, examples)
+    verifier = Reward([RewardTerm("correct", reward, 1.0, "correct")], reward_timeout)
+    rewards, parts = verifier(answers, examples)
+    return rewards, parts[TIMEOUTS], more, len(examples)
+
+
+def _metrics(parts: list[tuple]) -> dict:
+    """The metrics of a split from its parts' (_evaluate's), in the split's order: means over every
+    example (a part's own means weighted by its size), counts (timeouts) summed."""
+    rewards = torch.cat([p[0] for p in parts])
+    more = parts[0][2] if len(parts) == 1 else {
+        k: sum(p[2][k] * (1 if k.endswith("timeouts") else p[3]) for p in parts) /
+        (1 if k.endswith("timeouts") else len(rewards)) for k in parts[0][2]}
     return {"eval/accuracy": (rewards >= 1.0).float().mean().item(), "eval/reward_mean": rewards.mean().item(),
-            "eval/timeouts": parts[TIMEOUTS].sum().item(), **more}
+            "eval/timeouts": torch.cat([p[1] for p in parts]).sum().item(), **more}
 
 
 def still_running(llm, count: int) -> bool:
@@ -345,17 +382,20 @@ class TransformersEngine:
         rows = [r["prompt_token_ids"] for r in requests for _ in range(params.n)]
         max_tokens = [p.max_tokens for p in per_request for _ in range(params.n)]
         first = dist.first_index(len(rows))  # this rank's rows in the whole batch: where their seeds start
-        if not rows:  # under torchrun the other ranks may still decode (see still_running): one token along
+        if not rows:  # under torchrun the other ranks may still decode (see still_running): a stand-in row along
             if dist.world_size() == 1:
                 return []
             rows, max_tokens, params = [[self.tokenizer.pad_token_id]], [1], replace(params, n=1)
         self.calls += 1
+        # every rank takes every decode step (a sharded forward needs every rank): as many as the longest budget
+        # of any rank's rows, also where that rank's own rows end sooner
+        T = int(dist.all_gather(torch.tensor([max(max_tokens)])).max())
         training = self.model.training
         self.model.eval()  # no gradient checkpointing (it turns the KV cache off)
         try:
             device = next(self.model.parameters()).device
             with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-                tokens, logprobs, lengths, stopped = self._decode(rows, max_tokens, params, first, device)
+                tokens, logprobs, lengths, stopped = self._decode(rows, max_tokens, T, params, first, device)
         finally:
             self.model.train(training)
         samples = [CompletionOutput(
@@ -373,9 +413,11 @@ class TransformersEngine:
             text = text[:at + len(s) if params.include_stop_str_in_output else at]
         return text
 
-    def _decode(self, rows: list[list[int]], max_tokens: list[int], params: SamplingParams, first: int, device):
-        """(tokens [B, T], their log-probs [B, T], lengths [B], stopped [B]) of the rows' samples."""
-        B, T, pad = len(rows), max(max_tokens), self.tokenizer.pad_token_id
+    def _decode(self, rows: list[list[int]], max_tokens: list[int], T: int, params: SamplingParams, first: int,
+                device):
+        """(tokens [B, T], their log-probs [B, T], lengths [B], stopped [B]) of the rows' samples, in at most T
+        steps (every rank's longest max_tokens: the ranks stop at the same step)."""
+        B, pad = len(rows), self.tokenizer.pad_token_id
         P = max(len(r) for r in rows)
         input_ids = torch.full((B, P), pad, dtype=torch.long)
         attention_mask = torch.zeros(B, P, dtype=torch.long)

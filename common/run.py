@@ -39,10 +39,20 @@ from common.models import is_lora, merged_state_dict, save_model
 warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized", UserWarning)
 
 
-def seed_everything(seed: int) -> None:
+def seed_everything(seed: int, rank: int = 0) -> None:
+    """Python's, NumPy's and torch's global generators, each rank's its own (rank_seed). vLLM samples with
+    torch's global generator: ranks seeded alike would draw the same noise, and two ranks given the same
+    prompt would sample the same completions."""
+    seed = rank_seed(seed, rank)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """Rank 0's seed is the run's (one process seeds as it always did); rank r's is drawn from (seed, r),
+    not seed + r, which would be rank 0's of the run with seed + r. Below 2**32, as NumPy takes it."""
+    return seed if rank == 0 else random.Random(f"{seed}:{rank}").getrandbits(32)
 
 
 def rng_state() -> dict:
@@ -50,6 +60,19 @@ def rng_state() -> dict:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()  # this process's GPU only: resumable on any number of GPUs
     return state
+
+
+def rng_states() -> list[dict]:
+    """Every rank's rng_state(), in rank order (every rank calls it)."""
+    return dist.all_gather_objects([rng_state()])
+
+
+def set_rng_states(states: list[dict] | dict) -> None:
+    """This rank's state of rng_states() (a checkpoint's); one a rank the saved run did not have keeps its own
+    seeding. An older checkpoint holds rank 0's alone (a dict), which rank 0 takes."""
+    states = [states] if isinstance(states, dict) else states
+    if dist.rank() < len(states):
+        set_rng_state(states[dist.rank()])
 
 
 def set_rng_state(state: dict) -> None:
@@ -61,7 +84,7 @@ def set_rng_state(state: dict) -> None:
         i = torch.cuda.current_device()
         cuda = cuda[i] if i < len(cuda) else None
     if cuda is not None:
-        torch.cuda.set_rng_state(cuda)  # this process's GPU (a checkpoint holds rank 0's)
+        torch.cuda.set_rng_state(cuda)  # this process's GPU
 
 
 # ---------------------------------------------------------------------------------------
@@ -284,7 +307,7 @@ class Run:
     def save_checkpoint(self, step: int, models: dict, tokenizer, state: dict, optimizer) -> str:
         """checkpoints/step_N: each model in models (e.g. {"policy": policy}) as a save_pretrained
         folder, optimizer/ (the optimizer's state, written by every rank, each its own shard:
-        torch.distributed.checkpoint), trainer_state.pt (step, scheduler, RNG, ...) and run.json
+        torch.distributed.checkpoint), trainer_state.pt (step, scheduler, each rank's RNG, ...) and run.json
         (script, arguments, step, start accuracy, wall time, world size). Written atomically."""
         from torch.distributed.checkpoint import save as dcp_save
 
@@ -294,6 +317,7 @@ class Run:
         weights = {name: dist.full_state_dict(model) for name, model in models.items()}  # whole on rank 0
         dist.on_main(check_finite_weights, models, weights, f"checkpoint {path}")  # every rank stops alike
         optimizer_state = {"optimizer": dist.optimizer_state_dict(models, optimizer)}
+        rng = rng_states()  # each rank's generators, resumed by that rank
         with atomic_folder(path) if dist.is_main() else contextlib.nullcontext(path + ".tmp") as tmp:
             dist.barrier()  # rank 0 made the folder
             dcp_save(optimizer_state, checkpoint_id=os.path.join(tmp, "optimizer"))  # every rank writes its shard
@@ -301,7 +325,7 @@ class Run:
                 for name, model in models.items():
                     model.save_pretrained(os.path.join(tmp, name), state_dict=weights[name])
                     tokenizer.save_pretrained(os.path.join(tmp, name))
-                torch.save({**state, "step": step, "rng": rng_state()}, os.path.join(tmp, "trainer_state.pt"))
+                torch.save({**state, "step": step, "rng": rng}, os.path.join(tmp, "trainer_state.pt"))
                 write_json(os.path.join(tmp, "run.json"), info)
         dist.barrier()  # the checkpoint is complete for every rank
         return path
@@ -312,7 +336,7 @@ class Run:
         from torch.distributed.checkpoint import load as dcp_load
 
         state = torch.load(os.path.join(self.args.resume, "trainer_state.pt"), weights_only=False)
-        set_rng_state(state["rng"])
+        set_rng_states(state["rng"])
         optimizer_state = {"optimizer": dist.optimizer_state_dict(models, optimizer)}
         dcp_load(optimizer_state, checkpoint_id=os.path.join(self.args.resume, "optimizer"))
         dist.load_optimizer_state_dict(models, optimizer, optimizer_state["optimizer"])

@@ -249,3 +249,33 @@ def test_gradient_checkpointing_under_fsdp2_gives_the_gradient_without_it(tmp_pa
         g1, g2 = whole_grad(one, case), whole_grad(two, case)
         assert g1.norm() > 0.1
         assert (g1 - g2).norm() / g1.norm() < 1e-5, case
+
+
+def test_two_ranks_given_the_same_prompt_sample_different_completions(tmp_path):
+    """vLLM samples with torch's global generator, which each script seeds after creating the engine:
+    per rank (seed_everything(seed, rank)), or every rank would draw the same noise. One prompt on
+    both ranks (tests/engine_worker.py): 8 completions each, not the same 8."""
+    proc = torchrun("tests/engine_worker.py", "vllm", tmp_path / "out.pt")
+    output = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, output[-3000:]
+    rank_0, rank_1 = torch.load(tmp_path / "out.pt")["completions"]
+    assert len(set(map(tuple, rank_0))) > 1  # sampled, not one answer
+    assert rank_0 != rank_1
+
+
+def test_a_resumed_two_process_run_samples_as_the_uninterrupted_one(tmp_path):
+    """Each rank saves its own generators' state in a checkpoint and resumes it: step 2 of a run
+    resumed from step 1 under 2 processes samples what the uninterrupted run sampled (the same
+    rewards and lengths), rank 1 included, which a checkpoint of rank 0's state alone would not give."""
+    flags = [*SMALL, "--temperature", "1.5", "--log-completions", "0"]
+    runs = [["grpo.py", "--steps", "2", "--save-every", "1", "--output-dir", tmp_path / "whole", *flags],
+            ["grpo.py", "--resume", tmp_path / "whole" / "checkpoints" / "step_1", "--output-dir", tmp_path / "resumed"]]
+    spec = tmp_path / "runs.json"
+    spec.write_text(json.dumps([[str(x) for x in run] for run in runs]))
+    proc = torchrun("tests/dist_runner.py", spec)
+    output = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, output[-3000:]
+    whole, resumed = read_metrics(tmp_path / "whole")[2], read_metrics(tmp_path / "resumed")[0]
+    assert resumed["step"] == 2
+    for key in ("reward/mean", "reward/std", "response/length_mean", "loss/total"):
+        assert resumed[key] == pytest.approx(whole[key], rel=1e-6), key

@@ -623,3 +623,33 @@ def test_an_unreachable_hub_is_said_at_once(hub_unreachable):
     with pytest.raises(ConfigError, match="gsm8k: cannot load 'openai/gsm8k' .*hub is unreachable from here"):
         load_task("gsm8k")
     assert check_model(TINY_MODEL).model_type == "qwen2"  # local folders need no hub
+
+
+def test_each_rank_seeds_and_resumes_its_own_generators(monkeypatch):
+    """Rank 0 seeds as one process always did, rank 1 otherwise (and not as the run with seed + 1);
+    a checkpoint's list of every rank's states restores this rank's, an older checkpoint's single
+    state rank 0's, and a rank the saved run did not have keeps its own."""
+    from common import dist, run
+
+    run.seed_everything(3)
+    alone = torch.rand(4)
+    run.seed_everything(3, 0)
+    assert torch.equal(torch.rand(4), alone)
+    run.seed_everything(3, 1)
+    rank_1 = torch.rand(4)
+    run.seed_everything(4)
+    assert not torch.equal(rank_1, alone) and not torch.equal(rank_1, torch.rand(4))
+    states = []
+    for rank in (0, 1):
+        run.seed_everything(3, rank)
+        states.append(run.rng_state())
+    for rank, saved, expected in ((1, states, rank_1), (0, states[0], alone)):  # list of ranks' / older: rank 0's
+        monkeypatch.setattr(dist, "rank", lambda: rank)
+        run.set_rng_states(saved)
+        assert torch.equal(torch.rand(4), expected)
+    run.seed_everything(3, 2)
+    own = torch.rand(4)
+    monkeypatch.setattr(dist, "rank", lambda: 2)
+    run.seed_everything(3, 2)
+    run.set_rng_states(states)  # none of rank 2's: its own seeding stays
+    assert torch.equal(torch.rand(4), own)
