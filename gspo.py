@@ -41,7 +41,7 @@ from common.batch import micro_batches, rollout_batch
 from common.engine import awake, create_engine, sampled_logprobs, sampling_params, sync_weights
 from common.errors import need
 from common.guard import step_if_finite
-from common.metrics import step_metrics, timed
+from common.metrics import minibatch_stats, step_metrics, timed
 from common.models import encode_prompts, load_policy, load_reference
 from common.ops import aggregate, batched_logprobs, forward_logprobs, masked_mean, truncated_is_weights
 from common.run import Run, seed_everything
@@ -194,11 +194,11 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, vllm_is_weigh
         log_ref_ratio = ref_logprobs - logprobs
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
         loss = loss + args.kl_coef * aggregate(kl, mask, args.loss_agg, num_tokens, num_seqs, args.max_new_tokens)
-        stats["loss/kl"] = masked_mean(kl.detach(), mask)
+        stats["loss/kl"] = aggregate(kl.detach(), mask, "token-mean", num_tokens)  # its share of the minibatch's
     with torch.no_grad():
         # the clipped term is the smaller one: these sequences get no gradient from the surrogate
         clipped = ((seq_ratio < 1 - args.eps_low) & (A < 0)) | ((seq_ratio > 1 + args.eps_high) & (A > 0))
-        stats["policy/clip_frac"] = clipped[has_tokens].float().mean() if has_tokens.any() else torch.tensor(0.0)
+        stats["policy/clip_frac"] = masked_mean(clipped.float(), has_tokens)
         stats["policy/approx_kl"] = masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask)
     return loss, stats
 
@@ -223,7 +223,7 @@ def update(policy, optimizer, scheduler, args: Args, precision, input_ids, atten
     for epoch in range(args.num_epochs):
         for mb in torch.randperm(B, device=device).split(B // args.num_minibatches):
             num_tokens, num_seqs = dist.minibatch_totals(loss_mask[mb])  # over all ranks
-            mb_loss = 0.0
+            micro_stats = []
             # micro-batches of similar length, each cut to its longest row: [micro, :c] lines up
             for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
                 with precision.autocast(device):
@@ -239,14 +239,13 @@ def update(policy, optimizer, scheduler, args: Args, precision, input_ids, atten
                                            advantages[micro], vllm_is_weights, loss_mask[micro, :c], args,
                                            num_tokens, num_seqs)
                 loss.backward()  # micro-batch losses add up to the minibatch loss
-                mb_loss += loss.item()
+                stats["loss/total"] = loss.detach()
                 stats["policy/entropy"] = masked_mean(entropy, completion_mask[micro, :c])
-                for k, v in stats.items():
-                    step_stats[k].append(float(v))
+                micro_stats.append(stats)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            mb_loss = minibatch_stats(step_stats, micro_stats)  # the losses summed over micro-batches and ranks
             # a NaN or inf loss or gradient never reaches the weights: that step is skipped (common/guard.py)
             step_if_finite(optimizer, scheduler, step_stats, args.max_nonfinite_steps, mb_loss, grad_norm)
-            step_stats["loss/total"].append(mb_loss)
             step_stats["optim/grad_norm"].append(float(grad_norm))
     return step_stats, old_logprobs
 

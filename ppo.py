@@ -48,7 +48,7 @@ from common.batch import micro_batches, rollout_batch
 from common.engine import awake, create_engine, sampled_logprobs, sampling_params, sync_weights
 from common.errors import need
 from common.guard import step_if_finite
-from common.metrics import step_metrics, timed
+from common.metrics import minibatch_stats, step_metrics, timed
 from common.models import check_model, encode_prompts, load_policy, load_pretrained, load_reference
 from common.ops import aggregate, batched_logprobs, forward_logprobs, masked_mean, truncated_is_weights
 from common.rewards import check_reward_model, load_reward_model, reward_model_scores
@@ -319,7 +319,7 @@ def update(policy, critic, optimizer, scheduler, args: Args, precision, input_id
     for epoch in range(args.num_epochs):
         for mb in torch.randperm(B, device=device).split(B // args.num_minibatches):
             num_tokens, num_seqs = dist.minibatch_totals(loss_mask[mb])  # over all ranks
-            mb_loss = 0.0
+            micro_stats = []
             # micro-batches of similar length, each cut to its longest row: [micro, :c] lines up
             for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
                 with precision.autocast(device):
@@ -333,16 +333,15 @@ def update(policy, critic, optimizer, scheduler, args: Args, precision, input_id
                                            old_values[micro, :c], returns[micro, :c], vllm_is_weights,
                                            loss_mask[micro, :c], args, num_tokens, num_seqs)
                 loss.backward()  # micro-batch losses add up to the minibatch loss
-                mb_loss += loss.item()
+                stats["loss/total"] = loss.detach()
                 stats["policy/entropy"] = masked_mean(entropy, completion_mask[micro, :c])
-                for k, v in stats.items():
-                    step_stats[k].append(float(v))
+                micro_stats.append(stats)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+            mb_loss = minibatch_stats(step_stats, micro_stats)  # the losses summed over micro-batches and ranks
             # a NaN or inf loss or gradient never reaches the weights: that step is skipped (common/guard.py)
             step_if_finite(optimizer, scheduler, step_stats, args.max_nonfinite_steps, mb_loss, grad_norm,
                            critic_grad_norm)
-            step_stats["loss/total"].append(mb_loss)
             step_stats["optim/grad_norm"].append(float(grad_norm))
             step_stats["optim/critic_grad_norm"].append(float(critic_grad_norm))
     return step_stats, old_logprobs

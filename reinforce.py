@@ -44,7 +44,7 @@ from common.batch import micro_batches, rollout_batch
 from common.engine import awake, create_engine, sampled_logprobs, sampling_params, sync_weights
 from common.errors import need
 from common.guard import step_if_finite
-from common.metrics import step_metrics, timed
+from common.metrics import minibatch_stats, step_metrics, timed
 from common.models import encode_prompts, load_policy, load_reference
 from common.ops import aggregate, batched_logprobs, forward_logprobs, kl_penalty, masked_mean, truncated_is_weights
 from common.run import Run, seed_everything
@@ -216,7 +216,7 @@ def update(policy, optimizer, scheduler, args: Args, precision, input_ids, atten
     for epoch in range(num_epochs):
         for mb in torch.randperm(B, device=device).split(B // num_minibatches):
             num_tokens, num_seqs = dist.minibatch_totals(loss_mask[mb])  # over all ranks
-            mb_loss = 0.0
+            micro_stats = []
             # micro-batches of similar length, each cut to its longest row: [micro, :c] lines up
             for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
                 with precision.autocast(device):
@@ -230,14 +230,13 @@ def update(policy, optimizer, scheduler, args: Args, precision, input_ids, atten
                 loss, stats = compute_loss(logprobs, advantages[micro, :c], vllm_is_weights,
                                            loss_mask[micro, :c], args, num_tokens, num_seqs)
                 loss.backward()  # micro-batch losses add up to the minibatch loss
-                mb_loss += loss.item()
+                stats["loss/total"] = loss.detach()
                 stats["policy/entropy"] = masked_mean(entropy, completion_mask[micro, :c])
-                for k, v in stats.items():
-                    step_stats[k].append(float(v))
+                micro_stats.append(stats)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            mb_loss = minibatch_stats(step_stats, micro_stats)  # the losses summed over micro-batches and ranks
             # a NaN or inf loss or gradient never reaches the weights: that step is skipped (common/guard.py)
             step_if_finite(optimizer, scheduler, step_stats, args.max_nonfinite_steps, mb_loss, grad_norm)
-            step_stats["loss/total"].append(mb_loss)
             step_stats["optim/grad_norm"].append(float(grad_norm))
     return step_stats, old_logprobs
 

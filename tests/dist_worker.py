@@ -5,7 +5,7 @@ Every rank builds the same batch (8 completions, 2 prompts x 4) and takes its sh
 do with their prompts; the scripts' own advantage functions and their own update (step 5: the
 micro-batch loop, common/dist.py's normalizers, FSDP2 sharding, clipping) compute the gradient,
 then AdamW takes one step. Rank 0 saves, per case, the whole (clipped) gradient and the parameter
-change, so that tests/test_dist.py can compare N processes with one.
+change, and the losses as logged, so that tests/test_dist.py can compare N processes with one.
 """
 
 import os
@@ -23,6 +23,7 @@ import reinforce  # noqa: E402
 from common import dist  # noqa: E402
 from common.models import load_policy, load_tokenizer  # noqa: E402
 from common.batch import make_batch  # noqa: E402
+from common.metrics import update_metrics  # noqa: E402
 from common.setup import Precision  # noqa: E402
 
 TINY_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "tiny-sort")
@@ -50,7 +51,7 @@ class RecordingAdamW(torch.optim.AdamW):
 
 def update(policy, critic, optimizer, case: str, input_ids, attention_mask, completion_mask, rewards):
     """The scripts' step 4 and their own step 5 for one case on this rank's rows: advantages, then
-    one optimizer step over micro-batches with the minibatch's global totals. Returns the grad norm."""
+    one optimizer step over micro-batches with the minibatch's global totals. Returns its statistics."""
     from common.ops import batched_logprobs
 
     loss_mask, C = completion_mask, completion_mask.shape[1]
@@ -80,7 +81,7 @@ def update(policy, critic, optimizer, case: str, input_ids, attention_mask, comp
         advantages = ppo.whiten(advantages, loss_mask)
         stats, _ = ppo.update(policy, critic, optimizer, scheduler, args, FP32, **batch, advantages=advantages,
                               old_values=values, returns=returns)
-    return stats["optim/grad_norm"][0]
+    return stats
 
 
 def main(out: str) -> None:
@@ -104,9 +105,12 @@ def main(out: str) -> None:
         share = dist.share(list(range(len(prompts))))  # whole groups: 4 rows per rank under 2 processes
         batch = make_batch([prompts[i] for i in share], [completions[i] for i in share], tokenizer.pad_token_id,
                            device)
-        grad_norm = update(policy, critic, optimizer, case, *batch, rewards[share])
+        stats = update(policy, critic, optimizer, case, *batch, rewards[share])
         delta = {n: dist.full_tensor(p.detach()) - before[n] for n, p in policy.named_parameters()}
-        results[case] = {"grad": optimizer.grad, "delta": delta, "grad_norm": grad_norm}
+        # the losses as the scripts log them: averaged over minibatches, then over ranks
+        losses = dist.mean_over_ranks({k: v for k, v in update_metrics(stats).items() if k.startswith("loss/")})
+        results[case] = {"grad": optimizer.grad, "delta": delta, "grad_norm": stats["optim/grad_norm"][0],
+                         "losses": {k: float(v) for k, v in losses.items()}}
     if dist.is_main():
         torch.save(results, out)
 

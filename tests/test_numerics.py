@@ -11,6 +11,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import ppo
+from common.metrics import update_metrics
 from common.scripts import algorithm_scripts, load_script, update_inputs
 from common.setup import Precision
 from tests.conftest import TINY_MODEL
@@ -157,12 +158,12 @@ def call_update(script, policy, critic, batch: dict, optimizer, scheduler, **fla
 
 
 def run_update(script, policy, critic, batch: dict, micro_batch_size: int, **flags):
-    """call_update with a recorder for an optimizer: returns the minibatch losses and the gradients
-    the optimizer steps saw."""
+    """call_update with a recorder for an optimizer: returns the losses as the step logs them
+    ({"loss/total": ..., ...}) and the gradients the optimizer steps saw."""
     optimizer = GradientRecorder(policy.parameters())
     stats = call_update(script, policy, critic, batch, optimizer, types.SimpleNamespace(step=lambda: None),
                         micro_batch_size=micro_batch_size, **flags)
-    return stats["loss/total"], optimizer.grads
+    return {k: float(v) for k, v in update_metrics(stats).items() if k.startswith("loss/")}, optimizer.grads
 
 
 def update_batch(script, policy, tokenizer):
@@ -180,6 +181,8 @@ def update_batch(script, policy, tokenizer):
     if not sequence_advantages(script):
         batch["advantages"] = batch["advantages"].unsqueeze(1) * mask
         batch["old_values"], batch["returns"] = 0.1 * torch.randn(B, C, generator=g), torch.randn(B, C, generator=g)
+    else:  # GRPO's family: a reference, for the KL term of the loss (with --kl-coef > 0)
+        batch["ref_logprobs"] = old_logprobs - 0.1 * torch.rand(B, C, generator=g)
     critic = ppo.load_critic(TINY_MODEL, tokenizer, "float32", "cpu") if "old_values" in update_inputs(script) \
         else None
     return batch, critic
@@ -188,12 +191,13 @@ def update_batch(script, policy, tokenizer):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_the_scripts_update_gives_one_gradient_whatever_the_micro_batches(script, tiny_policy, tokenizer):
     """Each script's own update (step 5): micro-batches of 2 rows and one micro-batch of the whole
-    batch give the same losses and gradients (normalizers over the minibatch), to fp32 rounding;
-    where the update can take old log-probs from its own forward (one optimizer step on the
-    batch), doing so gives them too."""
+    batch give the same gradients (normalizers over the minibatch) and the same logged losses (each
+    "loss/..." the minibatch's, not a micro-batch's share), to fp32 rounding; where the update can
+    take old log-probs from its own forward (one optimizer step on the batch), doing so gives them too."""
     batch, critic = update_batch(script, tiny_policy, tokenizer)
     B = batch["loss_mask"].shape[0]
     one_step = {"num_minibatches": 1} if hasattr(load_script(script).Args, "num_minibatches") else {}
+    one_step.update({"kl_coef": 0.04} if sequence_advantages(script) else {})  # GRPO's family logs loss/kl
     losses, grads = run_update(script, tiny_policy, critic, batch, B, **one_step)
     assert len(grads) == 1 and grads[0].abs().sum() > 0
     micro_losses, micro_grads = run_update(script, tiny_policy, critic, batch, 2, **one_step)
