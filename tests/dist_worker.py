@@ -22,7 +22,7 @@ import ppo  # noqa: E402
 import reinforce  # noqa: E402
 from common import dist  # noqa: E402
 from common.models import load_policy, load_tokenizer  # noqa: E402
-from common.batch import make_batch  # noqa: E402
+from common.batch import draw_minibatches, make_batch  # noqa: E402
 from common.metrics import update_metrics  # noqa: E402
 from common.setup import Precision  # noqa: E402
 
@@ -59,8 +59,9 @@ def update(policy, critic, optimizer, case: str, input_ids, attention_mask, comp
     # a stand-in for the policy that sampled and for the reference: fixed offsets, so ratios and KL are not trivial
     offsets = torch.linspace(-0.05, 0.05, C).expand_as(old_logprobs)
     old_logprobs, ref_logprobs = old_logprobs + offsets, old_logprobs - 2 * offsets
-    batch = dict(input_ids=input_ids, attention_mask=attention_mask, completion_mask=completion_mask,
-                 loss_mask=loss_mask, old_logprobs=old_logprobs, vllm_logprobs=old_logprobs)
+    batch = dict(minibatches=draw_minibatches(len(input_ids), 1, 1, input_ids.device), input_ids=input_ids,
+                 attention_mask=attention_mask, completion_mask=completion_mask, loss_mask=loss_mask,
+                 old_logprobs=old_logprobs, vllm_logprobs=old_logprobs)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     if case.startswith("grpo"):
         args = grpo.Args(loss_agg=case.split(":")[1], kl_coef=0.04, num_minibatches=1, micro_batch_size=MICRO)
