@@ -57,9 +57,9 @@ def update_metrics(step_stats: dict) -> dict:
 def step_metrics(step_stats: dict, rewards, reward_parts: dict, completion_mask, truncated, old_logprobs,
                  vllm_logprobs, ref_logprobs, vllm_is_cap: float, scheduler, times: dict, llm) -> dict:
     """The metrics every script logs the same way for a step: the update's statistics (mean over
-    minibatches for the losses, see minibatch_stats; over micro-batches for the others), reward and its terms, reward calls past --reward-timeout (reward/timeouts,
-    per process under torchrun), completion length and truncation, vLLM's
-    log-prob mismatch and the importance weights that correct it, the learning rate, section
+    minibatches for the losses, see minibatch_stats; over micro-batches for the others), reward and
+    its terms, reward calls past --reward-timeout (reward/timeouts, per process under torchrun),
+    completion length and truncation, vLLM's log-prob mismatch and the importance weights that correct it, the learning rate, section
     times, throughput, memory, and KL(pi_old || pi_ref) (k3) where there is a reference."""
     metrics = update_metrics(step_stats)
     metrics.update({
