@@ -51,11 +51,11 @@ import tyro
 
 from common import dist
 from common.args import cli
-from common.batch import micro_batches, rollout_batch
+from common.batch import draw_minibatches, micro_batches, rollout_batch
 from common.engine import awake, create_engine, sampled_logprobs, sampling_params, sync_weights
 from common.errors import need
 from common.guard import step_if_finite
-from common.metrics import step_metrics, timed
+from common.metrics import minibatch_stats, step_metrics, timed
 from common.models import encode_prompts, load_policy, load_reference
 from common.ops import aggregate, batched_logprobs, forward_logprobs, masked_mean, truncated_is_weights
 from common.rewards import term_name
@@ -153,7 +153,7 @@ class Args:
     # infra
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """numerics of rollouts and forward/backward: bf16 (vLLM in bfloat16, the trainer under bfloat16
-    autocast over its --dtype weights, frozen models in bfloat16) or fp32; auto: bf16 on CUDA, fp32 on CPU"""
+    autocast over its --dtype weights, the reference model alike) or fp32; auto: bf16 on CUDA, fp32 on CPU"""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """trainer weight dtype: float32 keeps fp32 master weights and AdamW state; bfloat16 halves
     them but rounds away updates smaller than ~1/256 of a weight (small learning rates are lost)"""
@@ -233,7 +233,7 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, vllm_is_weigh
         log_ref_ratio = ref_logprobs - logprobs
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
         per_token = per_token + args.kl_coef * kl
-        stats["loss/kl"] = masked_mean(kl.detach(), mask)
+        stats["loss/kl"] = aggregate(kl.detach(), mask, "token-mean", num_tokens)  # its share of the minibatch's
     loss = aggregate(per_token, mask, args.loss_agg, num_tokens, num_seqs, args.max_new_tokens)
     with torch.no_grad():
         # the clipped term is the smaller one: these tokens get no gradient from the surrogate
@@ -254,8 +254,8 @@ def check(args: Args) -> None:
          "DAPO's length penalty, logged as reward/overlong: rename the function")
 
 
-def update(policy, optimizer, scheduler, args: Args, precision, input_ids, attention_mask, completion_mask, loss_mask,
-           old_logprobs, ref_logprobs, vllm_logprobs, advantages):
+def update(policy, optimizer, scheduler, args: Args, precision, minibatches, input_ids, attention_mask,
+           completion_mask, loss_mask, old_logprobs, ref_logprobs, vllm_logprobs, advantages):
     """Step 5 on one rollout batch ([B, C] tensors, advantages [B]): num_epochs x num_minibatches optimizer
     steps, each loss accumulated over micro-batches. old_logprobs None (one optimizer step): pi_old is the
     policy differentiated, and its forward gives them. Returns the statistics and the old log-probs."""
@@ -265,12 +265,10 @@ def update(policy, optimizer, scheduler, args: Args, precision, input_ids, atten
         old_logprobs = torch.zeros(B, C, device=device)
     policy.train()
     step_stats = defaultdict(list)
-    # tensor_split: num_minibatches parts whose sizes differ by at most one, as the kept batch may be
-    # smaller than prompts_per_step groups and not divisible (min: no empty part; B >= G >= 2)
-    for epoch in range(args.num_epochs):
-        for mb in torch.randperm(B, device=device).tensor_split(min(args.num_minibatches, B)):
+    for epoch_minibatches in minibatches:  # each epoch's rows, cut into minibatches (draw_minibatches)
+        for mb in epoch_minibatches:
             num_tokens, num_seqs = dist.minibatch_totals(loss_mask[mb])  # over all ranks
-            mb_loss = 0.0
+            micro_stats = []
             # micro-batches of similar length, each cut to its longest row: [micro, :c] lines up
             for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
                 with precision.autocast(device):
@@ -286,14 +284,13 @@ def update(policy, optimizer, scheduler, args: Args, precision, input_ids, atten
                                            advantages[micro], vllm_is_weights, loss_mask[micro, :c], args,
                                            num_tokens, num_seqs)
                 loss.backward()  # micro-batch losses add up to the minibatch loss
-                mb_loss += loss.item()
+                stats["loss/total"] = loss.detach()
                 stats["policy/entropy"] = masked_mean(entropy, completion_mask[micro, :c])
-                for k, v in stats.items():
-                    step_stats[k].append(float(v))
+                micro_stats.append(stats)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            mb_loss = minibatch_stats(step_stats, micro_stats)  # the losses summed over micro-batches and ranks
             # a NaN or inf loss or gradient never reaches the weights: that step is skipped (common/guard.py)
             step_if_finite(optimizer, scheduler, step_stats, args.max_nonfinite_steps, mb_loss, grad_norm)
-            step_stats["loss/total"].append(mb_loss)
             step_stats["optim/grad_norm"].append(float(grad_norm))
     return step_stats, old_logprobs
 
@@ -312,7 +309,7 @@ def main(args: Args) -> None:
     # the reference is the initial model, also when resuming (unless refreshed, see ref_update_every;
     # under LoRA: the policy with its adapters off)
     ref_path = args.resume and args.ref_update_every and os.path.join(args.resume, "reference") or args.model
-    ref_model = dist.shard(load_reference(ref_path, tokenizer, precision.frozen_dtype, device, policy), precision) \
+    ref_model = dist.shard(load_reference(ref_path, tokenizer, args.dtype, device, policy), precision) \
         if args.kl_coef > 0 else None
     models = {"policy": policy, **({"reference": ref_model} if ref_model is not None and args.ref_update_every else {})}
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr,
@@ -380,17 +377,21 @@ def main(args: Args) -> None:
             input_ids, attention_mask, completion_mask, loss_mask, truncated = rollout_batch(
                 prompt_ids, completions, tokenizer.pad_token_id, device, args.mask_truncated_completions)
             C = completion_mask.shape[1]
+            # the update's minibatches, drawn first: old and reference log-probs come from the micro-batches
+            # of its first epoch, computed as its forward computes them (in bf16 another batching moves a
+            # log-prob by 1e-3..1e-2, GSPO's whole clip range)
+            minibatches = draw_minibatches(input_ids.shape[0], args.num_epochs, args.num_minibatches, device)
             # one optimizer step on this batch (one epoch, one minibatch): pi_old is the very policy the
             # update differentiates, so the update's own forward gives old_logprobs (detached), exactly (if a
             # group was kept)
             reuse_forward = args.num_epochs == 1 and args.num_minibatches == 1 and num_kept > 0
             old_logprobs = None if reuse_forward else batched_logprobs(
                 policy, input_ids, attention_mask, C, args.temperature, args.micro_batch_size,
-                precision.autocast_dtype)
+                precision.autocast_dtype, minibatches[0])
             ref_logprobs = None
             if ref_model is not None:
                 ref_logprobs = batched_logprobs(ref_model, input_ids, attention_mask, C, args.temperature,
-                                                args.micro_batch_size, precision.autocast_dtype)
+                                                args.micro_batch_size, precision.autocast_dtype, minibatches[0])
             vllm_logprobs = sampled_logprobs(completions, C, device)  # vLLM's own, for the mismatch
 
         # ---------------------------------------------------------------- 4. advantage
@@ -400,8 +401,8 @@ def main(args: Args) -> None:
         with timed(times, "train"):
             step_stats = defaultdict(list)  # no group kept: no update
             if num_kept:
-                step_stats, old_logprobs = update(policy, optimizer, scheduler, args, precision, input_ids,
-                                                  attention_mask, completion_mask, loss_mask, old_logprobs,
+                step_stats, old_logprobs = update(policy, optimizer, scheduler, args, precision, minibatches,
+                                                  input_ids, attention_mask, completion_mask, loss_mask, old_logprobs,
                                                   ref_logprobs, vllm_logprobs, advantages)
             else:  # rollout/kept_groups 0 in the metrics; said on the console as it happens
                 run.say(f"step {step + 1}: no update: dynamic sampling kept no group with unequal rewards in "

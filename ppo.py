@@ -44,11 +44,11 @@ from transformers import AutoModelForSequenceClassification
 
 from common import dist
 from common.args import cli
-from common.batch import micro_batches, rollout_batch
+from common.batch import draw_minibatches, micro_batches, rollout_batch
 from common.engine import awake, create_engine, sampled_logprobs, sampling_params, sync_weights
 from common.errors import need
 from common.guard import step_if_finite
-from common.metrics import step_metrics, timed
+from common.metrics import minibatch_stats, step_metrics, timed
 from common.models import check_model, encode_prompts, load_policy, load_pretrained, load_reference
 from common.ops import aggregate, batched_logprobs, forward_logprobs, masked_mean, truncated_is_weights
 from common.rewards import check_reward_model, load_reward_model, reward_model_scores
@@ -159,7 +159,8 @@ class Args:
     # infra
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """numerics of rollouts and forward/backward: bf16 (vLLM in bfloat16, the trainer under bfloat16
-    autocast over its --dtype weights, frozen models in bfloat16) or fp32; auto: bf16 on CUDA, fp32 on CPU"""
+    autocast over its --dtype weights, the reference model alike, a reward model in bfloat16) or fp32;
+    auto: bf16 on CUDA, fp32 on CPU"""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """trainer weight dtype: float32 keeps fp32 master weights and AdamW state; bfloat16 halves
     them but rounds away updates smaller than ~1/256 of a weight (small learning rates are lost)"""
@@ -307,8 +308,8 @@ def check(args: Args) -> None:
         check_reward_model(args.reward_model)  # found, and with a trained score head
 
 
-def update(policy, critic, optimizer, scheduler, args: Args, precision, input_ids, attention_mask, completion_mask,
-           loss_mask, old_logprobs, vllm_logprobs, advantages, old_values, returns):
+def update(policy, critic, optimizer, scheduler, args: Args, precision, minibatches, input_ids, attention_mask,
+           completion_mask, loss_mask, old_logprobs, vllm_logprobs, advantages, old_values, returns):
     """Step 5 on one rollout batch ([B, C] tensors): num_epochs x num_minibatches optimizer steps of
     policy and critic, each loss accumulated over micro-batches. Returns the per-micro-batch
     statistics and the old log-probs."""
@@ -316,10 +317,10 @@ def update(policy, critic, optimizer, scheduler, args: Args, precision, input_id
     policy.train()
     critic.train()
     step_stats = defaultdict(list)
-    for epoch in range(args.num_epochs):
-        for mb in torch.randperm(B, device=device).split(B // args.num_minibatches):
+    for epoch_minibatches in minibatches:  # each epoch's rows, cut into minibatches (draw_minibatches)
+        for mb in epoch_minibatches:
             num_tokens, num_seqs = dist.minibatch_totals(loss_mask[mb])  # over all ranks
-            mb_loss = 0.0
+            micro_stats = []
             # micro-batches of similar length, each cut to its longest row: [micro, :c] lines up
             for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
                 with precision.autocast(device):
@@ -333,16 +334,15 @@ def update(policy, critic, optimizer, scheduler, args: Args, precision, input_id
                                            old_values[micro, :c], returns[micro, :c], vllm_is_weights,
                                            loss_mask[micro, :c], args, num_tokens, num_seqs)
                 loss.backward()  # micro-batch losses add up to the minibatch loss
-                mb_loss += loss.item()
+                stats["loss/total"] = loss.detach()
                 stats["policy/entropy"] = masked_mean(entropy, completion_mask[micro, :c])
-                for k, v in stats.items():
-                    step_stats[k].append(float(v))
+                micro_stats.append(stats)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+            mb_loss = minibatch_stats(step_stats, micro_stats)  # the losses summed over micro-batches and ranks
             # a NaN or inf loss or gradient never reaches the weights: that step is skipped (common/guard.py)
             step_if_finite(optimizer, scheduler, step_stats, args.max_nonfinite_steps, mb_loss, grad_norm,
                            critic_grad_norm)
-            step_stats["loss/total"].append(mb_loss)
             step_stats["optim/grad_norm"].append(float(grad_norm))
             step_stats["optim/critic_grad_norm"].append(float(critic_grad_norm))
     return step_stats, old_logprobs
@@ -361,7 +361,7 @@ def main(args: Args) -> None:
                                     args.lora_rank, args.lora_alpha, args.lora_target_modules,
                                     args.resume and os.path.join(args.resume, "policy")), precision)
     # the reference is the initial model, also when resuming (under LoRA: the policy, adapters off)
-    ref_model = dist.shard(load_reference(args.model, tokenizer, precision.frozen_dtype, device, policy), precision) \
+    ref_model = dist.shard(load_reference(args.model, tokenizer, args.dtype, device, policy), precision) \
         if args.kl_coef > 0 else None
     critic = load_critic(args.resume and os.path.join(args.resume, "critic") or args.critic_model or args.model,
                          tokenizer, args.dtype, device, args.gradient_checkpointing)
@@ -406,18 +406,22 @@ def main(args: Args) -> None:
             input_ids, attention_mask, completion_mask, loss_mask, truncated = rollout_batch(
                 prompt_ids, completions, tokenizer.pad_token_id, device, args.mask_truncated_completions)
             C = completion_mask.shape[1]
+            # the update's minibatches, drawn first: old and reference log-probs come from the micro-batches
+            # of its first epoch, computed as its forward computes them (in bf16 another batching moves a
+            # log-prob by 1e-3..1e-2, GSPO's whole clip range)
+            minibatches = draw_minibatches(input_ids.shape[0], args.num_epochs, args.num_minibatches, device)
             old_logprobs = batched_logprobs(policy, input_ids, attention_mask, C, args.temperature,
-                                            args.micro_batch_size, precision.autocast_dtype)
+                                            args.micro_batch_size, precision.autocast_dtype, minibatches[0])
             ref_logprobs = None
             if ref_model is not None:
                 ref_logprobs = batched_logprobs(ref_model, input_ids, attention_mask, C, args.temperature,
-                                                args.micro_batch_size, precision.autocast_dtype)
+                                                args.micro_batch_size, precision.autocast_dtype, minibatches[0])
             old_values = torch.zeros_like(old_logprobs)
             with torch.no_grad(), precision.autocast(device):
-                for micro, cols, c in micro_batches(torch.arange(B, device=device), input_ids, attention_mask, C,
-                                                    args.micro_batch_size):
-                    old_values[micro, :c] = forward_values(critic, input_ids[micro, cols],
-                                                           attention_mask[micro, cols], c)
+                for mb in minibatches[0]:  # the update's first micro-batches, as for the log-probs
+                    for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
+                        old_values[micro, :c] = forward_values(critic, input_ids[micro, cols],
+                                                               attention_mask[micro, cols], c)
             vllm_logprobs = sampled_logprobs(completions, C, device)  # vLLM's own, for the mismatch
 
         # ---------------------------------------------------------------- 4. advantage
@@ -429,8 +433,8 @@ def main(args: Args) -> None:
 
         # ---------------------------------------------------------------- 5. update
         with timed(times, "train"):
-            step_stats, old_logprobs = update(policy, critic, optimizer, scheduler, args, precision, input_ids,
-                                              attention_mask, completion_mask, loss_mask, old_logprobs,
+            step_stats, old_logprobs = update(policy, critic, optimizer, scheduler, args, precision, minibatches,
+                                              input_ids, attention_mask, completion_mask, loss_mask, old_logprobs,
                                               vllm_logprobs, advantages, old_values, returns)
 
         # ---------------------------------------------------------------- 6. sync

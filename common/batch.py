@@ -136,6 +136,15 @@ def pays_to_pack(packed_len: int, padded_tokens: int, padded_len: int, hidden_si
     return cost(packed_len, packed_len) < cost(padded_tokens, padded_len)
 
 
+def draw_minibatches(num_rows: int, num_epochs: int, num_minibatches: int, device) -> list[tuple[torch.Tensor, ...]]:
+    """Each epoch's minibatches: a random permutation of the rows cut into num_minibatches parts
+    whose sizes differ by at most one (tensor_split: DAPO's kept batch need not divide; min: no
+    empty part). A script draws them before its old and reference log-probs, so that those come
+    from the micro-batches its update's first epoch runs (batched_logprobs)."""
+    return [torch.randperm(num_rows, device=device).tensor_split(min(num_minibatches, num_rows))
+            for _ in range(num_epochs)]
+
+
 def micro_batches(rows: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                   num_completion_tokens: int, size: int):
     """Split rows (indices into the batch) into micro-batches of similar length, each cut to

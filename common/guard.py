@@ -23,9 +23,9 @@ def step_if_finite(optimizer, scheduler, step_stats: dict, max_in_a_row: int, lo
     does; torch also warns of a scheduler stepped without its optimizer), the gradient is dropped,
     stderr says so and step_stats["optim/skipped_steps"] counts it. max_in_a_row skipped in a row
     stop the run (RunError): the model no longer gives a usable gradient. The count lives on the
-    optimizer, across updates. Under torchrun every rank decides alike: the ranks' losses are summed,
-    and the gradient norms are already global."""
-    loss = float(dist.all_sum(loss))
+    optimizer, across updates. Under torchrun every rank decides alike: loss is the minibatch's, summed
+    over ranks (common/metrics.py minibatch_stats), and the gradient norms are already global."""
+    loss = float(loss)
     finite = math.isfinite(loss) and all(math.isfinite(float(n)) for n in grad_norms)
     skipped = step_stats.setdefault("optim/skipped_steps", [0])  # one entry, a count: the metrics average lists
     if finite:

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from common import dist
 from common.ops import masked_mean, truncated_is_weights
 from common.rewards import TIMEOUTS
 
@@ -33,14 +34,34 @@ def memory_metrics(llm) -> dict:
     return {"memory/peak_gib": peak / 2**30, "memory/engine_gib": llm.memory["device"] / 2**30}
 
 
+def minibatch_stats(step_stats: dict, micro_stats: list[dict]) -> torch.Tensor:
+    """Adds a minibatch's statistics (micro_stats: each micro-batch's, tensors) to step_stats and returns
+    its loss, loss/total. A micro-batch's loss, and each "loss/..." term, is its share of the minibatch's
+    (divided by the minibatch's global counts, see common/dist.py), so these are summed over micro-batches
+    and ranks: a logged loss is the minibatch's whatever the micro-batch size and world size. The other
+    statistics are kept per micro-batch (step_metrics averages them). No host transfer here."""
+    losses = [k for k in micro_stats[0] if k.startswith("loss/")]
+    totals = dist.all_sum(torch.stack([sum(s[k] for s in micro_stats) for k in losses]))
+    for k, total in zip(losses, totals):
+        step_stats[k].append(total)
+    for k in micro_stats[0].keys() - set(losses):
+        step_stats[k].extend(s[k] for s in micro_stats)
+    return step_stats["loss/total"][-1]
+
+
+def update_metrics(step_stats: dict) -> dict:
+    """The update's statistics as a step logs them: each averaged over its entries."""
+    return {k: sum(v) / len(v) for k, v in step_stats.items()}
+
+
 def step_metrics(step_stats: dict, rewards, reward_parts: dict, completion_mask, truncated, old_logprobs,
                  vllm_logprobs, ref_logprobs, vllm_is_cap: float, scheduler, times: dict, llm) -> dict:
-    """The metrics every script logs the same way for a step: the update's statistics (mean
-    over micro-batches), reward and its terms, reward calls past --reward-timeout (reward/timeouts,
-    per process under torchrun), completion length and truncation, vLLM's
-    log-prob mismatch and the importance weights that correct it, the learning rate, section
+    """The metrics every script logs the same way for a step: the update's statistics (mean over
+    minibatches for the losses, see minibatch_stats; over micro-batches for the others), reward and
+    its terms, reward calls past --reward-timeout (reward/timeouts, per process under torchrun),
+    completion length and truncation, vLLM's log-prob mismatch and the importance weights that correct it, the learning rate, section
     times, throughput, memory, and KL(pi_old || pi_ref) (k3) where there is a reference."""
-    metrics = {k: sum(v) / len(v) for k, v in step_stats.items()}
+    metrics = update_metrics(step_stats)
     metrics.update({
         "reward/mean": rewards.mean(), "reward/std": rewards.std(),
         **{f"reward/{k}_mean": v.mean() for k, v in reward_parts.items() if k != TIMEOUTS},

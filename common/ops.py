@@ -50,16 +50,22 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
 @torch.no_grad()
 def batched_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                      num_completion_tokens: int, temperature: float, micro_batch_size: int,
-                     autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """forward_logprobs without gradients, one micro-batch (see micro_batches) at a time;
-    [B, C], 0 on completion padding."""
+                     autocast_dtype: torch.dtype | None = None, minibatches=None) -> torch.Tensor:
+    """forward_logprobs without gradients, one micro-batch (see micro_batches) of each of minibatches
+    (row indices; None: all rows, one minibatch) at a time; [B, C], 0 on completion padding.
+
+    Pass the update's minibatches (its first epoch's, common/batch.py draw_minibatches): a micro-batch's
+    log-probs depend on the rows it runs with (padding, packing), by 1e-3..1e-2 in bf16, so only the same
+    micro-batches give the very values the update's forward computes before its first step."""
+    if minibatches is None:
+        minibatches = [torch.arange(input_ids.shape[0], device=input_ids.device)]
     out = torch.zeros(input_ids.shape[0], num_completion_tokens, device=input_ids.device)
-    all_rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-    for micro, columns, c in micro_batches(all_rows, input_ids, attention_mask, num_completion_tokens,
+    for rows in minibatches:
+        for micro, columns, c in micro_batches(rows, input_ids, attention_mask, num_completion_tokens,
                                                micro_batch_size):
-        with torch.autocast(input_ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            out[micro, :c] = forward_logprobs(model, input_ids[micro, columns], attention_mask[micro, columns], c,
-                                              temperature)
+            with torch.autocast(input_ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                out[micro, :c] = forward_logprobs(model, input_ids[micro, columns], attention_mask[micro, columns],
+                                                  c, temperature)
     return out
 
 

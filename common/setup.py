@@ -36,7 +36,8 @@ def prepare(args, check, min_completions: int = 2):
 class Precision:
     """The run's numerics (--precision; auto: bf16 on CUDA, fp32 on CPU)."""
     autocast_dtype: torch.dtype | None  # the trainer's forward/backward under autocast, or none (fp32)
-    frozen_dtype: str                   # forward-only models (reference, reward model): bf16 halves them
+    frozen_dtype: str                   # PPO's reward model (forward only): bf16 halves it; the reference
+                                        # takes the policy's dtype (common/models.py load_reference)
     engine_dtype: str                   # vLLM's weights
     vllm_is_cap: float                  # C of the truncated importance weights: 2 under bf16, off in fp32
 

@@ -6,8 +6,9 @@ Every rank builds the same batch (8 completions, 2 prompts x 4) and takes its sh
 do with their prompts; the scripts' own advantage functions and their own update (step 5: the
 micro-batch loop, common/dist.py's normalizers, FSDP2 sharding, clipping) compute the gradient,
 then AdamW takes one step. Rank 0 saves, per case, the whole (clipped) gradient and the parameter
-change, so that tests/test_dist.py can compare N processes with one, and the dtypes of the weights
-the linear layers ran with (FSDP2 gathers them just before: its mixed precision shows there).
+change and the losses as logged, so that tests/test_dist.py can compare N processes with one, and the
+dtypes of the weights the linear layers ran with (FSDP2 gathers them just before: its mixed precision
+shows there).
 """
 
 import argparse
@@ -26,7 +27,8 @@ import ppo  # noqa: E402
 import reinforce  # noqa: E402
 from common import dist  # noqa: E402
 from common.models import load_policy, load_tokenizer  # noqa: E402
-from common.batch import make_batch  # noqa: E402
+from common.batch import draw_minibatches, make_batch  # noqa: E402
+from common.metrics import update_metrics  # noqa: E402
 from common.setup import Precision  # noqa: E402
 
 TINY_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "tiny-sort")
@@ -56,7 +58,7 @@ class RecordingAdamW(torch.optim.AdamW):
 
 def update(policy, critic, optimizer, case: str, input_ids, attention_mask, completion_mask, rewards, precision=FP32):
     """The scripts' step 4 and their own step 5 for one case on this rank's rows: advantages, then
-    one optimizer step over micro-batches with the minibatch's global totals. Returns the grad norm."""
+    one optimizer step over micro-batches with the minibatch's global totals. Returns its statistics."""
     from common.ops import batched_logprobs
 
     loss_mask, C = completion_mask, completion_mask.shape[1]
@@ -64,8 +66,9 @@ def update(policy, critic, optimizer, case: str, input_ids, attention_mask, comp
     # a stand-in for the policy that sampled and for the reference: fixed offsets, so ratios and KL are not trivial
     offsets = torch.linspace(-0.05, 0.05, C).expand_as(old_logprobs)
     old_logprobs, ref_logprobs = old_logprobs + offsets, old_logprobs - 2 * offsets
-    batch = dict(input_ids=input_ids, attention_mask=attention_mask, completion_mask=completion_mask,
-                 loss_mask=loss_mask, old_logprobs=old_logprobs, vllm_logprobs=old_logprobs)
+    batch = dict(minibatches=draw_minibatches(len(input_ids), 1, 1, input_ids.device), input_ids=input_ids,
+                 attention_mask=attention_mask, completion_mask=completion_mask, loss_mask=loss_mask,
+                 old_logprobs=old_logprobs, vllm_logprobs=old_logprobs)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     if case.startswith("grpo"):
         args = grpo.Args(loss_agg=case.split(":")[1], kl_coef=0.04, num_minibatches=1, micro_batch_size=MICRO)
@@ -86,7 +89,7 @@ def update(policy, critic, optimizer, case: str, input_ids, attention_mask, comp
         advantages = ppo.whiten(advantages, loss_mask)
         stats, _ = ppo.update(policy, critic, optimizer, scheduler, args, precision, **batch, advantages=advantages,
                               old_values=values, returns=returns)
-    return stats["optim/grad_norm"][0]
+    return stats
 
 
 def record_weight_dtypes(model, seen: collections.Counter) -> None:
@@ -125,9 +128,12 @@ def main(out: str, precision: str = "fp32", gradient_checkpointing: bool = False
         share = dist.share(list(range(len(prompts))))  # whole groups: 4 rows per rank under 2 processes
         batch = make_batch([prompts[i] for i in share], [completions[i] for i in share], tokenizer.pad_token_id,
                            device)
-        grad_norm = update(policy, critic, optimizer, case, *batch, rewards[share], precision)
+        stats = update(policy, critic, optimizer, case, *batch, rewards[share], precision)
         delta = {n: dist.full_tensor(p.detach()) - before[n] for n, p in policy.named_parameters()}
-        results[case] = {"grad": optimizer.grad, "delta": delta, "grad_norm": grad_norm}
+        # the losses as the scripts log them: averaged over minibatches, then over ranks
+        losses = dist.mean_over_ranks({k: v for k, v in update_metrics(stats).items() if k.startswith("loss/")})
+        results[case] = {"grad": optimizer.grad, "delta": delta, "grad_norm": stats["optim/grad_norm"][0],
+                         "losses": {k: float(v) for k, v in losses.items()}}
     results["recomputed"] = results["weight_dtypes"].pop("recomputed", 0)
     results["weight_dtypes"] = dict(results["weight_dtypes"])
     if dist.is_main():

@@ -179,8 +179,8 @@ def test_two_processes_give_the_gradient_and_the_step_of_one(tmp_path):
     """The scripts' advantages and their own update on one fixed batch (tests/dist_worker.py): the
     gradient the optimizer step sees (clipped) of 2 processes (each its half, global normalizers,
     FSDP2 summing) equals 1 process's to fp32 rounding, for GRPO's token-mean and
-    seq-mean-token-mean, REINFORCE's batch-mean baseline and PPO's whitening; so does AdamW's
-    first step wherever it is not a sign of noise."""
+    seq-mean-token-mean, REINFORCE's batch-mean baseline and PPO's whitening; so do the logged losses
+    and AdamW's first step wherever it is not a sign of noise."""
     one = subprocess.run([sys.executable, "tests/dist_worker.py", tmp_path / "one.pt"], cwd=ROOT, capture_output=True,
                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert one.returncode == 0, one.stderr[-3000:]
@@ -194,6 +194,9 @@ def test_two_processes_give_the_gradient_and_the_step_of_one(tmp_path):
         assert g1.norm() > 0.1
         assert (g1 - g2).norm() / g1.norm() < 1e-5, case
         assert one[case]["grad_norm"] == pytest.approx(two[case]["grad_norm"], rel=1e-5)  # clipping: >1, active
+        # a logged loss is the minibatch's, not a rank's share of it (loss/total, GRPO's loss/kl, PPO's terms)
+        assert "loss/total" in one[case]["losses"] and two[case]["losses"] == \
+            pytest.approx(one[case]["losses"], rel=1e-5, abs=1e-6)
         # AdamW's first step is lr * g / (|g| + eps), eps 1e-8: where |g| is within a few orders of eps,
         # it magnifies the gradient's rounding noise
         d1, d2 = (torch.cat([v.flatten() for v in r[case]["delta"].values()]) for r in (one, two))

@@ -11,6 +11,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import ppo
+from common.batch import draw_minibatches
+from common.metrics import update_metrics
 from common.scripts import algorithm_scripts, load_script, update_inputs
 from common.setup import Precision
 from tests.conftest import TINY_MODEL
@@ -152,17 +154,19 @@ def call_update(script, policy, critic, batch: dict, optimizer, scheduler, **fla
     if critic is not None:
         available["critic"] = critic
     torch.manual_seed(0)  # the minibatch permutation
+    available["minibatches"] = draw_minibatches(batch["input_ids"].shape[0], getattr(args, "num_epochs", 1),
+                                                getattr(args, "num_minibatches", 1), "cpu")
     stats, _ = module.update(**{k: available[k] for k in inspect.signature(module.update).parameters})
     return stats
 
 
 def run_update(script, policy, critic, batch: dict, micro_batch_size: int, **flags):
-    """call_update with a recorder for an optimizer: returns the minibatch losses and the gradients
-    the optimizer steps saw."""
+    """call_update with a recorder for an optimizer: returns the losses as the step logs them
+    ({"loss/total": ..., ...}) and the gradients the optimizer steps saw."""
     optimizer = GradientRecorder(policy.parameters())
     stats = call_update(script, policy, critic, batch, optimizer, types.SimpleNamespace(step=lambda: None),
                         micro_batch_size=micro_batch_size, **flags)
-    return stats["loss/total"], optimizer.grads
+    return {k: float(v) for k, v in update_metrics(stats).items() if k.startswith("loss/")}, optimizer.grads
 
 
 def update_batch(script, policy, tokenizer):
@@ -180,6 +184,8 @@ def update_batch(script, policy, tokenizer):
     if not sequence_advantages(script):
         batch["advantages"] = batch["advantages"].unsqueeze(1) * mask
         batch["old_values"], batch["returns"] = 0.1 * torch.randn(B, C, generator=g), torch.randn(B, C, generator=g)
+    else:  # GRPO's family: a reference, for the KL term of the loss (with --kl-coef > 0)
+        batch["ref_logprobs"] = old_logprobs - 0.1 * torch.rand(B, C, generator=g)
     critic = ppo.load_critic(TINY_MODEL, tokenizer, "float32", "cpu") if "old_values" in update_inputs(script) \
         else None
     return batch, critic
@@ -188,12 +194,13 @@ def update_batch(script, policy, tokenizer):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_the_scripts_update_gives_one_gradient_whatever_the_micro_batches(script, tiny_policy, tokenizer):
     """Each script's own update (step 5): micro-batches of 2 rows and one micro-batch of the whole
-    batch give the same losses and gradients (normalizers over the minibatch), to fp32 rounding;
-    where the update can take old log-probs from its own forward (one optimizer step on the
-    batch), doing so gives them too."""
+    batch give the same gradients (normalizers over the minibatch) and the same logged losses (each
+    "loss/..." the minibatch's, not a micro-batch's share), to fp32 rounding; where the update can
+    take old log-probs from its own forward (one optimizer step on the batch), doing so gives them too."""
     batch, critic = update_batch(script, tiny_policy, tokenizer)
     B = batch["loss_mask"].shape[0]
     one_step = {"num_minibatches": 1} if hasattr(load_script(script).Args, "num_minibatches") else {}
+    one_step.update({"kl_coef": 0.04} if sequence_advantages(script) else {})  # GRPO's family logs loss/kl
     losses, grads = run_update(script, tiny_policy, critic, batch, B, **one_step)
     assert len(grads) == 1 and grads[0].abs().sum() > 0
     micro_losses, micro_grads = run_update(script, tiny_policy, critic, batch, 2, **one_step)
@@ -204,3 +211,32 @@ def test_the_scripts_update_gives_one_gradient_whatever_the_micro_batches(script
         reused_losses, reused_grads = run_update(script, tiny_policy, critic, reused, 2, **one_step)
         assert reused_losses == pytest.approx(losses, rel=1e-5, abs=1e-7)
         assert (reused_grads[0] - grads[0]).norm() < 1e-5 * grads[0].norm()
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_under_bf16_the_update_starts_at_ratio_1_and_kl_0(script, run_main, tmp_path, monkeypatch):
+    """--precision bf16 on the CPU (the policy's fp32 weights under bf16 autocast): the old and the
+    reference log-probs are computed on the update's own micro-batches, the reference in the policy's
+    dtype and autocast, so the update's first micro-batch sees every ratio at exactly 1 (in bf16 another
+    batching moves a log-prob by ~1e-3, past GSPO's clip range of 3e-4) and step 1 logs kl/ref exactly 0
+    (the reference is the initial policy)."""
+    module = load_script(script)
+    compute_loss, first = module.compute_loss, []
+
+    def recording(*args, **kwargs):
+        inputs = inspect.signature(compute_loss).bind(*args, **kwargs).arguments
+        if not first and "old_logprobs" in inputs:  # REINFORCE and RLOO have no ratio
+            first.append((inputs["logprobs"].detach() - inputs["old_logprobs"]) * inputs["mask"])
+        return compute_loss(*args, **kwargs)
+
+    monkeypatch.setattr(module, "compute_loss", recording)
+    several = ["--num-minibatches", "2"] if hasattr(module.Args, "num_minibatches") else []
+    # a reference (--kl-coef) and several minibatches: the old log-probs come from a pass of their own
+    run_main(script, "--precision", "bf16", "--steps", "1", "--eval-every", "0", "--kl-coef", "0.04",
+             "--prompts-per-step", "4", "--completions-per-prompt", "4", "--max-new-tokens", "10",
+             "--micro-batch-size", "3", *several, "--output-dir", tmp_path / "run")
+    from tests.test_grpo_e2e import read_metrics
+
+    if "old_logprobs" in inspect.signature(compute_loss).parameters:
+        assert first and torch.equal(first[0], torch.zeros_like(first[0])), first[0].abs().max()
+    assert [m["kl/ref"] for m in read_metrics(tmp_path / "run") if "kl/ref" in m] == [0.0]
