@@ -182,8 +182,10 @@ def memory_in_use() -> dict:
 
 
 def engine_model(llm) -> torch.nn.Module:
-    """The engine's own torch model (reachable because the engine is in-process)."""
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    """The engine's own torch model, through vLLM's public accessor (the engine is in-process, so
+    this is the object itself): its get_model() unwraps the CUDA-graph wrapper a GPU engine puts
+    around the model, which the runner's `.model` attribute would return."""
+    return llm.apply_model(lambda model: model)[0]
 
 
 @torch.no_grad()
