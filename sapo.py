@@ -137,8 +137,11 @@ class Args:
     """trainer weight dtype: float32 keeps fp32 master weights and AdamW state; bfloat16 halves
     them but rounds away updates smaller than ~1/256 of a weight (small learning rates are lost)"""
     gradient_checkpointing: bool = False
-    engine: Literal["vllm", "transformers"] = "vllm"
-    """rollout engine: vllm, or transformers (the policy samples itself: no vLLM needed, slower)"""
+    engine: Literal["auto", "vllm", "transformers"] = "auto"
+    """rollout engine: vllm, or transformers (the policy samples itself: no vLLM needed, slower); auto:
+    vllm where it is installed, else transformers (always on mps)"""
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+    """where the trainer (and the transformers engine) runs; auto: cuda, else mps (an Apple GPU), else cpu"""
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of GPU memory vLLM may take (weights + KV cache)"""
     vllm_sleep: bool = True
@@ -250,7 +253,7 @@ def update(policy, optimizer, scheduler, args: Args, precision, minibatches, inp
 
 def main(args: Args) -> None:
     # ---------------------------------------------------------------- setup
-    device = dist.init()  # under torchrun: the ranks' process group, before vLLM exists (see common/dist.py)
+    device = dist.init(args.device)  # --device; under torchrun: the ranks' process group, before vLLM exists
     task, reward_fn, tokenizer, max_prompt_len = prepare(args, check)  # every check, before anything heavy
     run = Run(args)  # the run folder (new, or the resumed run's), checked before anything heavy
     precision = Precision.of(args, device)  # bf16 autocast or fp32: --precision

@@ -22,7 +22,7 @@ from common.interrupt import StopAtOnce, signal_name
 # (model, task, seed, batch shape, optimizer, algorithm) and is restored from the checkpoint;
 # giving it again with another value is refused.
 RESUMABLE_CHANGES = ("steps", "eval_every", "save_every", "micro_batch_size", "gradient_checkpointing", "engine",
-                     "vllm_gpu_memory_utilization", "vllm_cpu_kv_cache_gib", "vllm_sleep", "tensorboard", "track",
+                     "device", "vllm_gpu_memory_utilization", "vllm_cpu_kv_cache_gib", "vllm_sleep", "tensorboard", "track",
                      "wandb_project", "log_completions", "max_nonfinite_steps", "reward_timeout")
 
 
@@ -112,7 +112,7 @@ def check_args(args, max_context: int, max_prompt_len: int, min_completions: int
     need(args.save_every >= 0, f"--save-every must be >= 0 (0: only on Ctrl-C), got {args.save_every}")
     need(args.max_nonfinite_steps >= 1, f"--max-nonfinite-steps must be >= 1, got {args.max_nonfinite_steps}")
     need(args.log_completions >= 0, f"--log-completions must be >= 0, got {args.log_completions}")
-    need(args.engine != "vllm" or importlib.util.find_spec("vllm") is not None,
+    need(args.engine != "vllm" or vllm_installed(),
          "vLLM is not installed here: run with --engine transformers (the policy samples itself), or install vLLM")
     need(args.vllm_cpu_kv_cache_gib >= 1, f"--vllm-cpu-kv-cache-gib must be >= 1, got {args.vllm_cpu_kv_cache_gib}")
     need(0 < args.vllm_gpu_memory_utilization <= 1,
@@ -138,6 +138,15 @@ def check_args(args, max_context: int, max_prompt_len: int, min_completions: int
              f"(prompts_per_step x completions_per_prompt = {batch}" + (f", per process of {world})" if world > 1
                                                                          else ")"))
         need(args.num_epochs > 0, f"--num-epochs must be positive, got {args.num_epochs}")
+
+
+def vllm_installed() -> bool:
+    """Whether `import vllm` would find it (without importing it: seconds). A finder that refuses it
+    (tests/conftest.py's RL_LM_HIDE_VLLM) counts as absent."""
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except ImportError:
+        return False
 
 
 # ---------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import sys
 import torch
 import torch.distributed as tdist
 
+from common.errors import need
 from common.ops import masked_mean
 
 
@@ -45,11 +46,24 @@ def served(name: str) -> set[str]:
     return set(BackendConfig(tdist.Backend(name)).get_device_backend_map())
 
 
-def init() -> str:
-    """Join torchrun's process group (`backend`); returns the device. Without torchrun (WORLD_SIZE
-    unset or 1) nothing happens."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+def pick_device(choice: str = "auto") -> str:
+    """--device: "auto" is CUDA where torch sees a GPU, else an Apple GPU (MPS) where torch offers one, else
+    the CPU; an explicit one must be there (one line if not)."""
+    there = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+    if choice == "auto":
+        return "cuda" if there["cuda"] else "mps" if there["mps"] else "cpu"
+    need(choice in there, f"--device must be auto, cpu, cuda or mps, got {choice!r}")
+    need(there[choice], f"--device {choice}: torch finds no {choice} device here (--device auto picks what it "
+                        f"finds: {pick_device()})")
+    return choice
+
+
+def init(device: str = "auto") -> str:
+    """Join torchrun's process group (`backend`); returns the device (`pick_device`). Without torchrun
+    (WORLD_SIZE unset or 1) nothing happens."""
+    device = pick_device(device)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not tdist.is_initialized():
+        need(device != "mps", "torchrun on an Apple GPU (mps) is not supported: run one process, or --device cpu")
         if device == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # the rank's GPU, also for its vLLM engine
         tdist.init_process_group(backend(device), timeout=datetime.timedelta(minutes=30))

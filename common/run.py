@@ -121,7 +121,7 @@ class Run:
             self.unlock()  # a run refused at its start leaves no lock file behind
             raise
         args.resume = dist.broadcast(args.resume)  # rank 0's checkpoint, whatever another node's working folder
-        self.launch = {"world_size": dist.world_size(), "device": "cuda" if torch.cuda.is_available() else "cpu",
+        self.launch = {"world_size": dist.world_size(), "device": dist.pick_device(args.device),
                        "allocator": allocator()}
         self.logger = MetricsLogger(self.dir, args, self.start_step, args.tensorboard, args.track, args.wandb_project,
                                     self.launch) if dist.is_main() else None

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from common import dist
-from common.args import check_args
+from common.errors import need
+from common.args import check_args, vllm_installed
 from common.models import check_lora_targets, check_model, encode_prompts, load_tokenizer
 from common.rewards import load_reward
 from common.tasks import load_task
@@ -18,7 +19,9 @@ from common.tasks import load_task
 def prepare(args, check, min_completions: int = 2):
     """(task, reward_fn, tokenizer, max_prompt_len) after every check: the shared arguments
     (common/args.py check_args), then the algorithm's own (check(args)). min_completions: the
-    smallest group the algorithm's advantage can use."""
+    smallest group the algorithm's advantage can use. --device and --engine auto become the ones that
+    run (args.json records them: `choose_engine`)."""
+    choose_engine(args)
     config = check_model(args.model)
     if args.lora_rank:
         check_lora_targets(config, args.lora_target_modules)
@@ -32,9 +35,27 @@ def prepare(args, check, min_completions: int = 2):
     return task, reward_fn, tokenizer, max_prompt_len
 
 
+def choose_engine(args) -> None:
+    """args.device and args.engine made concrete, in place: --device auto as common/dist.py pick_device
+    finds it; --engine auto is vLLM where it is installed, else the transformers engine (the policy
+    samples itself), always on an Apple GPU (mps: vLLM has no build for it). Said in one line."""
+    args.device = dist.pick_device(args.device)
+    if args.engine == "auto":
+        installed = vllm_installed()
+        args.engine = "vllm" if installed and args.device != "mps" else "transformers"
+        why = ("vLLM is installed" if args.engine == "vllm" else "vLLM has no build for mps" if installed
+               else "vLLM is not installed here: the policy samples itself")
+        if dist.is_main():
+            print(f"--engine auto: {args.engine} ({why}), --device {args.device}")
+
+
 @dataclass(frozen=True)
 class Precision:
-    """The run's numerics (--precision; auto: bf16 on CUDA, fp32 on CPU)."""
+    """The run's numerics (--precision; auto: bf16 on CUDA, fp32 on CPU and on an Apple GPU).
+
+    On mps, --precision bf16 runs the trainer (and the transformers engine) under bf16 autocast, which
+    torch offers on mps and MPS computes in bf16 from macOS 14 on (refused before it); auto keeps fp32
+    there, as on CPU, where bf16 has not been measured to pay (docs/gpu.md)."""
     autocast_dtype: torch.dtype | None  # the trainer's forward/backward under autocast, or none (fp32)
     frozen_dtype: str                   # PPO's reward model (forward only): bf16 halves it; the reference
                                         # takes the policy's dtype (common/models.py load_reference)
@@ -48,6 +69,8 @@ class Precision:
     @classmethod
     def of(cls, args, device: str) -> Precision:
         bf16 = args.precision == "bf16" or (args.precision == "auto" and device == "cuda")
+        need(not (bf16 and device == "mps") or torch.backends.mps.is_macos_or_newer(14, 0),
+             "--precision bf16 on an Apple GPU (mps) needs macOS 14 or newer: use --precision fp32")
         # vLLM and the trainer differ by ~1e-2 in bf16, ~1e-5 in fp32 (an explicit --vllm-is-cap wins)
         cap = args.vllm_is_cap if args.vllm_is_cap is not None else (2.0 if bf16 else 0.0)
         return cls(torch.bfloat16 if bf16 else None, "bfloat16" if bf16 else args.dtype,

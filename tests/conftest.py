@@ -7,6 +7,22 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+
+def pythonpath() -> str:
+    """PYTHONPATH for a Python a test starts: the repository, and tests/hide_vllm where it hides vLLM."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
+# RL_LM_HIDE_VLLM=1: the suite as it runs where vLLM is not installed (tests/hide_vllm), in this process and
+# in every one it starts
+if os.environ.get("RL_LM_HIDE_VLLM") == "1":
+    HIDE_VLLM = str(Path(__file__).resolve().parent / "hide_vllm")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [HIDE_VLLM, os.environ.get("PYTHONPATH")]))
+    sys.path.insert(0, HIDE_VLLM)
+    import sitecustomize  # noqa: E402,F401  (this Python started before PYTHONPATH named it)
+
+    sys.path.remove(HIDE_VLLM)
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -94,35 +110,61 @@ def logprob_tolerance(args) -> float:
     return 0.1 if bf16 else 1e-3
 
 
+def vllm_installed() -> bool:
+    from common.args import vllm_installed
+
+    return vllm_installed()
+
+
+NO_VLLM = "needs vLLM, which is not installed here (or hidden: RL_LM_HIDE_VLLM=1)"
+needs_vllm = pytest.mark.skipif(not vllm_installed(), reason=NO_VLLM)
+"""A test that creates a vLLM engine, or runs a script or worker with one, is skipped where vLLM is absent."""
+
+
+def vllm_module(name: str = "vllm"):
+    """vllm (or its submodule name), imported; where vLLM is absent the calling test (or module) is skipped."""
+    return pytest.importorskip(name, reason=NO_VLLM)
+
+
+def vllm_sampling_params(**kwargs):
+    """vLLM's SamplingParams(**kwargs); skips the calling test where vLLM is absent."""
+    return vllm_module().SamplingParams(**kwargs)
+
+
 @pytest.fixture(scope="session")
 def llm():
-    """One in-process vLLM engine for the whole session (an engine takes seconds to start)."""
+    """One in-process vLLM engine for the whole session (an engine takes seconds to start); skips the test
+    where vLLM is absent."""
     from common.engine import create_engine
 
+    vllm_module()
     return keep_engine(create_engine(TINY_MODEL, seed=0, max_model_len=64, gpu_memory_utilization=GPU_SHARE,
                                      sleep_mode=False))
 
 
 @pytest.fixture()
-def run_main(llm, monkeypatch):
+def run_main(request, monkeypatch):
     """run_main("grpo.py", *flags): the script's main() in this process, from a command line
     parsed as its __main__ parses it; returns the parsed arguments. A new engine costs
     seconds, so runs share one: the session's on the tiny model, or the `engine` given for
-    another model. main() syncs its policy into the engine first, as into a fresh one."""
+    another model. main() syncs its policy into the engine first, as into a fresh one. --engine auto
+    is the transformers engine where vLLM is absent; a vLLM run there is skipped."""
     from common.args import parse_args
     from common.engine import create_engine
     from common.scripts import load_script
+    from common.setup import choose_engine
 
     monkeypatch.chdir(ROOT)  # the scripts' default model is a relative path
 
     def run(script: str, *flags, engine=None):
         module = load_script(script)
         args = parse_args(module.Args, [str(f) for f in flags])
+        choose_engine(args)  # as main() does first
         if args.engine == "transformers":  # no engine of its own to share: the policy samples
             module.main(args)
             return args
         if engine is None and os.path.isdir(args.model) and os.path.samefile(args.model, TINY_MODEL):
-            engine = llm
+            engine = request.getfixturevalue("llm")
 
         def shared_engine(name_or_path, **kwargs):
             if engine is None:  # another model: a new engine, kept (see ENGINES)

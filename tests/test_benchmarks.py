@@ -16,7 +16,7 @@ import torch
 
 from benchmarks import gradient_variance
 from benchmarks import run as bench
-from tests.conftest import ROOT
+from tests.conftest import ROOT, pythonpath
 
 
 # ----------------------------------------------------------------- synthetic metrics.jsonl
@@ -318,7 +318,7 @@ def png_size(path) -> tuple[int, int]:
 
 
 def run_benchmark(out, *flags):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
     return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "run.py"), "--mode", "quick", "--out", str(out),
                            *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
 

@@ -5,14 +5,13 @@ import json
 import shutil
 
 import pytest
-from vllm import SamplingParams
 
 from common.errors import ConfigError
 from common.batch import make_batch
 from common.scripts import algorithm_scripts
 from common.models import encode_prompts, end_of_turn_token_ids, stop_token_ids
 from common.engine import evaluate
-from tests.conftest import TINY_MODEL
+from tests.conftest import TINY_MODEL, vllm_sampling_params
 
 # ChatML, as SmolLM2 and Qwen use it (the tiny vocabulary spells <|im_start|> in characters)
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -106,8 +105,9 @@ def eot_model(tmp_path_factory):
 def eot_engine(eot_model):
     from common.engine import create_engine
     from common.models import load_tokenizer
-    from tests.conftest import GPU_SHARE, keep_engine
+    from tests.conftest import GPU_SHARE, keep_engine, vllm_module
 
+    vllm_module()
     return keep_engine(create_engine(eot_model, seed=0, max_model_len=64, enforce_eager=True,
                                      gpu_memory_utilization=GPU_SHARE, sleep_mode=False)), \
         load_tokenizer(eot_model)
@@ -122,10 +122,10 @@ def test_end_of_turn_ends_a_completion_and_is_in_the_loss_mask(eot_engine):
     requests = [{"prompt_token_ids": p} for p in prompt_ids]
 
     # without the stop tokens the model's <|im_end|> does not end the completion
-    free = llm.generate(requests, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    free = llm.generate(requests, vllm_sampling_params(temperature=0.0, max_tokens=16), use_tqdm=False)
     assert any(im_end in o.outputs[0].token_ids[:-1] or o.outputs[0].finish_reason == "length" for o in free)
 
-    outputs = llm.generate(requests, SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=stop_token_ids(tok)),
+    outputs = llm.generate(requests, vllm_sampling_params(temperature=0.0, max_tokens=16, stop_token_ids=stop_token_ids(tok)),
                            use_tqdm=False)
     completions = [list(o.outputs[0].token_ids) for o in outputs]
     for o, ids in zip(outputs, completions):

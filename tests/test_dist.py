@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from common import dist
 from common.scripts import algorithm_scripts, load_script
-from tests.conftest import ROOT, TINY_MODEL, need_processes, read_optimizer_state
+from tests.conftest import ROOT, pythonpath, TINY_MODEL, need_processes, needs_vllm, read_optimizer_state, vllm_module
 from tests.test_grpo_e2e import STEP_METRICS, read_metrics
 from tests.test_runs import wait_for_steps
 
@@ -36,7 +36,7 @@ def small(script: str) -> list[str]:
 
 def torchrun(*args, **env) -> subprocess.Popen:
     need_processes(2)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath(), **env}
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *map(str, args)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -46,6 +46,7 @@ def launch(tmp_path_factory):
     """One torchrun launch of 2 processes: grpo and ppo 2 steps with checkpoints and a resume to
     step 3, the other scripts 1 step, and a long grpo run that a SIGTERM to rank 1 alone stops.
     Each rank records the collectives it calls (tests/dist_runner.py)."""
+    vllm_module()  # every rank's engine is a vLLM one (tests/dist_runner.py)
     tmp = tmp_path_factory.mktemp("dist")
     runs = [["grpo.py", "--steps", "2", "--save-every", "1", "--output-dir", tmp / "grpo", *SMALL],
             ["grpo.py", "--steps", "3", "--resume", tmp / "grpo" / "checkpoints" / "step_1", "--discard-later"],
@@ -182,7 +183,7 @@ def test_two_processes_give_the_gradient_and_the_step_of_one(tmp_path):
     seq-mean-token-mean, REINFORCE's batch-mean baseline and PPO's whitening; so do the logged losses
     and AdamW's first step wherever it is not a sign of noise."""
     one = subprocess.run([sys.executable, "tests/dist_worker.py", tmp_path / "one.pt"], cwd=ROOT, capture_output=True,
-                         text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         text=True, env={**os.environ, "PYTHONPATH": pythonpath()})
     assert one.returncode == 0, one.stderr[-3000:]
     two = torchrun("tests/dist_worker.py", tmp_path / "two.pt")
     output = two.communicate()[0]
@@ -209,7 +210,7 @@ def run_worker(out, *flags, processes: int = 1) -> dict:
     """tests/dist_worker.py OUT FLAGS in one process or under torchrun; rank 0's results."""
     if processes == 1:
         proc = subprocess.run([sys.executable, "tests/dist_worker.py", out, *flags], cwd=ROOT, capture_output=True,
-                              text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                              text=True, env={**os.environ, "PYTHONPATH": pythonpath()})
         assert proc.returncode == 0, proc.stderr[-3000:]
     else:
         proc = torchrun("tests/dist_worker.py", out, *flags)
@@ -254,6 +255,7 @@ def test_gradient_checkpointing_under_fsdp2_gives_the_gradient_without_it(tmp_pa
         assert (g1 - g2).norm() / g1.norm() < 1e-5, case
 
 
+@needs_vllm
 def test_two_ranks_given_the_same_prompt_sample_different_completions(tmp_path):
     """vLLM samples with torch's global generator, which each script seeds after creating the engine:
     per rank (seed_everything(seed, rank)), or every rank would draw the same noise. One prompt on
@@ -266,6 +268,7 @@ def test_two_ranks_given_the_same_prompt_sample_different_completions(tmp_path):
     assert rank_0 != rank_1
 
 
+@needs_vllm
 def test_a_resumed_two_process_run_samples_as_the_uninterrupted_one(tmp_path):
     """Each rank saves its own generators' state in a checkpoint and resumes it: step 2 of a run
     resumed from step 1 under 2 processes samples what the uninterrupted run sampled (the same

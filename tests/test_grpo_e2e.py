@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import ROOT, TINY_MODEL, logprob_tolerance, read_optimizer_state
+from tests.conftest import ROOT, pythonpath, TINY_MODEL, logprob_tolerance, read_optimizer_state
 
 SMALL = ["--prompts-per-step", "4", "--completions-per-prompt", "4", "--num-minibatches", "2",
          "--micro-batch-size", "3", "--max-new-tokens", "10"]
@@ -22,7 +22,7 @@ STEP_METRICS = ["reward/mean", "reward/std", "response/length_mean", "kl/ref", "
 
 
 def run_script(script: str, *flags: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
     return subprocess.run([sys.executable, str(ROOT / script), *flags], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

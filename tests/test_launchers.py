@@ -25,7 +25,7 @@ import pytest
 
 import common.interrupt
 from common.interrupt import GracefulInterrupt
-from tests.conftest import ROOT, TINY_MODEL, need_processes, node_env
+from tests.conftest import ROOT, pythonpath, TINY_MODEL, need_processes, node_env
 from tests.test_dist import SMALL
 from tests.test_grpo_e2e import read_metrics
 
@@ -37,7 +37,7 @@ SHUTDOWN_TIMEOUT_S = 300  # the README's --shutdown-timeout, sized for this mach
 def torchrun(flags: list, script_and_args: list, cwd, log: Path, **env) -> subprocess.Popen:
     """`torchrun FLAGS SCRIPT ARGS` started in cwd, its output (every rank's) into log: a file, not
     a pipe that nobody reads while the run goes on."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PID_DIR": str(log.parent), **env}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath(), "PID_DIR": str(log.parent), **env}
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *map(str, flags),
                                  *map(str, script_and_args)], cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)

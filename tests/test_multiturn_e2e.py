@@ -13,7 +13,7 @@ from common.env import CheckedEnv, Step
 from common.models import encode_prompts, load_policy, load_tokenizer
 from common.ops import forward_logprobs
 from common.scripts import load_script
-from tests.conftest import GPU_SHARE, TINY_MODEL, keep_engine
+from tests.conftest import GPU_SHARE, TINY_MODEL, keep_engine, vllm_module
 from tests.test_grpo_e2e import read_metrics
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -74,6 +74,7 @@ def test_episodes_are_the_engines_ids_and_the_observations_never_re_encoded(merg
     tokenizer = load_tokenizer(merging_model)
     policy = load_policy(merging_model, tokenizer, "float32", "cpu")
     if engine_kind == "vllm":
+        vllm_module()
         llm = keep_engine(create_engine(merging_model, seed=0, max_model_len=MAX_MODEL_LEN, dtype="float32",
                                         gpu_memory_utilization=GPU_SHARE, cpu_kv_cache_gib=1, sleep_mode=False))
     else:

@@ -1,6 +1,7 @@
 """setup.sh's sets install on a fresh machine from the public indexes alone: every pin resolves from
 PyPI with this machine's pip configuration (its local wheel folder) switched off, except the pins
-setup.sh sends to PyTorch's CPU wheel index, which must be exactly those PyPI lacks."""
+setup.sh sends to PyTorch's CPU wheel index, which must be exactly those PyPI lacks. The set without
+vLLM (requirements-novllm.txt) resolves for macOS arm64 and Windows x86-64 as wheels, checked from here."""
 
 import json
 import os
@@ -24,12 +25,14 @@ def public_pip(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
-def resolves(pins: list[str], tmp_path, deps: bool = False) -> dict:
+def resolves(pins: list[str], tmp_path, deps: bool = False, platform: str | None = None) -> dict:
     """{name: version} pip would install from PyPI for pins (a dry run: only metadata is fetched);
-    pip's error on a pin PyPI does not have."""
+    pip's error on a pin PyPI does not have. platform (a wheel tag, e.g. macosx_14_0_arm64): for that
+    machine under Python 3.11, wheels only (no build: pip cannot run another platform's)."""
     report = tmp_path / f"report-{len(list(tmp_path.iterdir()))}.json"
+    elsewhere = ["--platform", platform, "--only-binary=:all:", "--python-version", "3.11"] if platform else []
     done = public_pip("install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
-                      *([] if deps else ["--no-deps"]), *pins)
+                      *([] if deps else ["--no-deps"]), *elsewhere, *pins)
     assert done.returncode == 0, f"not on PyPI for this platform ({pins}):\n{done.stderr[-2000:]}"
     return {normalized(item["metadata"]["name"]): item["metadata"]["version"]
             for item in json.loads(report.read_text())["install"]}
@@ -40,9 +43,11 @@ def normalized(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def plan(device: str) -> dict:
-    """setup.sh --plan for a device: the set it installs and the pins it takes from PyTorch's index."""
-    out = subprocess.run(["bash", str(ROOT / "setup.sh"), "--plan"], env={**os.environ, "RL_LM_DEVICE": device},
+def plan(device: str, engine: str = "") -> dict:
+    """setup.sh --plan for a device (and RL_LM_ENGINE): the set it installs and the pins it takes from
+    PyTorch's index."""
+    out = subprocess.run(["bash", str(ROOT / "setup.sh"), "--plan"],
+                         env={**os.environ, "RL_LM_DEVICE": device, "RL_LM_ENGINE": engine},
                          capture_output=True, text=True, check=True).stdout.splitlines()
     words = [line.split() for line in out]
     return {"files": [w[1] for w in words if w[0] in ("set", "nodeps")],
@@ -96,3 +101,26 @@ def test_the_cuda_set_resolves_as_a_whole_from_pypi(tmp_path):
     for pin in pins:
         name, version = pin.split("==")
         assert got[name] == version, (pin, got.get(name))
+
+
+def test_without_vllm_the_plan_installs_the_other_sets_pins_less_vllm():
+    """RL_LM_ENGINE=transformers (what a Mac or Windows gets by itself): requirements-novllm.txt, which is
+    either vLLM set without vLLM and with torch's plain pin; on Linux without a GPU torch's CPU build first."""
+    cpu, cuda = plan("cpu", "transformers"), plan("cuda", "transformers")
+    assert cpu["files"] == cuda["files"] == ["requirements-novllm.txt", "requirements-nodeps.txt"]
+    assert cpu["torch_index"] == ["torch==2.13.0+cpu"] and cuda["torch_index"] == []
+    novllm = pins_of(["requirements-novllm.txt"])
+    assert novllm == [p.replace("+cpu", "") for p in pins_of(["requirements-cpu.txt"]) if not p.startswith("vllm")]
+    assert novllm == [p for p in pins_of(["requirements.txt"]) if not p.startswith("vllm")]
+    assert "torch==2.13.0" in novllm
+
+
+@needs_pypi
+@pytest.mark.parametrize("platform", ["macosx_14_0_arm64", "win_amd64"])
+def test_the_set_without_vllm_resolves_for_a_mac_and_windows(platform, tmp_path):
+    """Every pin of that set (and requirements-nodeps.txt) has a wheel for the platform on PyPI."""
+    pins = pins_of(plan("cpu", "transformers")["files"])
+    got = resolves(pins, tmp_path, platform=platform)
+    assert sorted(f"{n}=={v}" for n, v in got.items()) == sorted(pins)
+    with pytest.raises(AssertionError, match="not on PyPI"):  # the check itself fails on a pin the platform lacks
+        resolves(["vllm==0.32.0"], tmp_path, platform=platform)

@@ -24,7 +24,7 @@ import common.interrupt
 from common.args import cli, parse_args, RESUMABLE_CHANGES
 from common.run import LOCK_FILE, Run
 from common.allocator import tcmalloc_path
-from tests.conftest import ROOT, TINY_MODEL
+from tests.conftest import ROOT, pythonpath, TINY_MODEL
 from tests.test_grpo_e2e import SMALL, read_metrics
 
 import grpo
@@ -242,7 +242,7 @@ def test_a_lock_left_by_a_dead_process_does_not_block(tmp_path):
     code = ("import os, sys, grpo; from common.run import Run; "
             "Run(grpo.Args(output_dir=sys.argv[1])); os.kill(os.getpid(), 9)")
     proc = subprocess.run([sys.executable, "-c", code, str(run_dir)], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": pythonpath()})
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert (run_dir / LOCK_FILE).exists()
     fake_checkpoint(run_dir, 1)
@@ -542,7 +542,7 @@ def test_a_signal_before_the_training_loop_is_one_line(tmp_path, signum):
     loads and the first evaluation runs): one line and exit 130 or 143, no traceback."""
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, str(ROOT / "grpo.py"), "--steps", "1", "--output-dir", str(out),
-                             *SMALL], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                             *SMALL], cwd=ROOT, env={**os.environ, "PYTHONPATH": pythonpath()},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     while not (out / "args.json").exists():  # the run folder is made first: start-up has begun
@@ -574,7 +574,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path):
     """What schedulers and `timeout` send: handled like the first Ctrl-C (a real signal to a
     real process; waits for steps in metrics.jsonl, not for a time)."""
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
     proc = subprocess.Popen([sys.executable, str(ROOT / "grpo.py"), "--steps", "1000", "--save-every", "0",
                              "--output-dir", str(out), *SMALL], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

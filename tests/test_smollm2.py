@@ -9,14 +9,13 @@ import os
 
 import pytest
 import torch
-from vllm import SamplingParams
 
 from common import engine, models, smollm2
 from common.batch import make_batch
 from common.ops import forward_logprobs
 from common.models import encode_prompts, stop_token_ids
 from common.errors import ConfigError
-from tests.conftest import GPU_SHARE, TINY_MODEL, keep_engine, logprob_tolerance
+from tests.conftest import GPU_SHARE, TINY_MODEL, keep_engine, logprob_tolerance, vllm_module, vllm_sampling_params
 
 NAME = "smollm2-135m-instruct"
 
@@ -39,12 +38,13 @@ def converted(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smollm2_engine(converted):
+    vllm_module()
     return keep_engine(engine.create_engine(NAME, seed=0, max_model_len=256, enforce_eager=True,
                                             gpu_memory_utilization=GPU_SHARE, sleep_mode=False))  # compiled: +50 s
 
 
 def vllm_prompt_logprobs(llm, ids):
-    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+    out = llm.generate([{"prompt_token_ids": ids}], vllm_sampling_params(max_tokens=1, prompt_logprobs=0),
                        use_tqdm=False)[0]
     return torch.tensor([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
 
@@ -80,7 +80,7 @@ def test_smollm2_converted_trained_and_synced_through_vllm(converted, smollm2_en
     policy = models.load_policy(NAME, tok, "float32", "cpu")
 
     # the chat template's end-of-turn ends a completion
-    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=48,
+    out = llm.generate([{"prompt_token_ids": ids}], vllm_sampling_params(temperature=0.0, max_tokens=48,
                        stop_token_ids=stop_token_ids(tok)), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] == 2 and "5" in out.text
 

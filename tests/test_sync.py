@@ -2,15 +2,15 @@
 the trainer does; without one it keeps the old weights."""
 
 import torch
-from vllm import SamplingParams
 
 from common.engine import engine_model, sync_weights
 from common.batch import make_batch
 from common.ops import forward_logprobs
+from tests.conftest import vllm_sampling_params
 
 
 def vllm_prompt_logprobs(llm, ids: list[int]) -> torch.Tensor:
-    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+    out = llm.generate([{"prompt_token_ids": ids}], vllm_sampling_params(max_tokens=1, prompt_logprobs=0),
                        use_tqdm=False)[0]
     return torch.tensor([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
 
@@ -41,7 +41,7 @@ def test_sync_makes_vllm_match_the_trainer(llm, tiny_policy, tokenizer):
 def test_sync_changes_what_vllm_generates(llm, tiny_policy, tokenizer):
     """Greedy outputs follow the synced weights (the prefix cache must not serve stale KV)."""
     prompt = tokenizer("sort 9876:")["input_ids"]
-    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    greedy = vllm_sampling_params(temperature=0.0, max_tokens=6)
     sync_weights(llm, tiny_policy)
     llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)  # fills the prefix cache
     # make the trainer always emit "7": bias the tied embedding/unembedding towards that token
@@ -69,7 +69,7 @@ def test_sampled_tokens_are_ranked_without_compiling(llm, tokenizer):
     from vllm.v1.sample.ops import logprobs as vllm_logprobs
 
     prompt = tokenizer("sort 52813:")["input_ids"]
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=4, temperature=1.0, max_tokens=8, logprobs=20),
+    out = llm.generate([{"prompt_token_ids": prompt}], vllm_sampling_params(n=4, temperature=1.0, max_tokens=8, logprobs=20),
                        use_tqdm=False)[0]
     ranks = [(candidates[token].rank, sum(lp.logprob >= candidates[token].logprob for lp in candidates.values()))
              for completion in out.outputs for token, candidates in zip(completion.token_ids, completion.logprobs)]
@@ -85,7 +85,7 @@ def test_sampled_log_probs_are_not_decoded_but_the_text_is(llm, tiny_policy, tok
     the decoded tokens (up to EOS)."""
     sync_weights(llm, tiny_policy)
     prompt = tokenizer("sort 52813:")["input_ids"]
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=8, temperature=1.0, max_tokens=8, logprobs=0),
+    out = llm.generate([{"prompt_token_ids": prompt}], vllm_sampling_params(n=8, temperature=1.0, max_tokens=8, logprobs=0),
                        use_tqdm=False)[0]
     for c in out.outputs:
         entries = [lp[t] for lp, t in zip(c.logprobs, c.token_ids)]
