@@ -16,10 +16,13 @@ def position_ids_of(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int):
-    """The logits that score the real completion tokens, [N, V] with N = attention_mask[:, -C:].sum(),
-    in the row-major order of those tokens: completion token j of a row is scored by the logit
-    at its column P + j - 1.
+def completion_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                             num_completion_tokens: int):
+    """The model's last hidden states (what its output layer takes) at the positions that score the
+    real completion tokens, [N, d] with N = attention_mask[:, -C:].sum(), in the row-major order of
+    those tokens: completion token j of a row is scored at its column P + j - 1. Also each row's last
+    column's hidden states [rows, d] and the model's own logits there [rows, V] (logits_to_keep=1:
+    its output layer runs on nothing else), which check common/ops.py's output layer against it.
 
     Padding costs as much compute as real tokens, and the G completions of a prompt repeat
     it. So when it is cheaper (see pays_to_pack) and allowed (see pack: the mask's memory,
@@ -29,21 +32,23 @@ def completion_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     position ids restart with each prompt and go on through each completion, as in vLLM. The
     same function of the weights as the padded batch (autograd sums a shared prompt's gradient
     over its completions). Otherwise the padded batch runs as it is; position ids count real
-    tokens only, so left padding does not shift positions. Either way only the N scoring rows
-    go through the output layer (logits_to_keep)."""
+    tokens only, so left padding does not shift positions. The model runs through its own
+    forward (under FSDP2 the root gathers the embeddings, final norm and head it owns)."""
     C = num_completion_tokens
     packed = pack(model, input_ids, attention_mask, C)
     if packed is not None:
         ids, position_ids, mask, keep = packed
-        return model(input_ids=ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=keep,
-                     use_cache=False).logits[0]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask),
-                   logits_to_keep=C + 1, use_cache=False).logits[:, :-1]
-    return logits[attention_mask[:, -C:].bool()]
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=1,
+                    output_hidden_states=True, use_cache=False)
+        return out.hidden_states[-1][0, keep], (out.hidden_states[-1][:, -1], out.logits[:, -1])
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask),
+                logits_to_keep=1, output_hidden_states=True, use_cache=False)
+    hidden = out.hidden_states[-1]
+    return hidden[:, -C - 1:-1][attention_mask[:, -C:].bool()], (hidden[:, -1], out.logits[:, -1])
 
 
 def pack(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int):
-    """The micro-batch as one row (see completion_logits): (input_ids [1, L], position_ids [1, L],
+    """The micro-batch as one row (see completion_hidden_states): (input_ids [1, L], position_ids [1, L],
     attention mask [1, 1, L, L], keep [N]: the column of the logit that scores each real
     completion token, in row-major order), all on input_ids' device; None if packing does not
     pay (pays_to_pack), its mask would take more than MAX_PACKED_MASK_BYTES, the model's
@@ -156,7 +161,7 @@ def micro_batches(rows: torch.Tensor, input_ids: torch.Tensor, attention_mask: t
     rarely in the same row: sorting by length and cutting each micro-batch to its own longest
     row skips most of it. Rows with the same prompt stay next to each other (sorted by their
     group's longest completion), so that a micro-batch holds whole groups whose prompt runs
-    once (see completion_logits). Normalizers stay the minibatch's (see aggregate), so the
+    once (see completion_hidden_states). Normalizers stay the minibatch's (see aggregate), so the
     summed micro-batch gradients are still the minibatch's gradient."""
     C = num_completion_tokens
     P = attention_mask.shape[1] - C

@@ -5,13 +5,23 @@ masked aggregation of per-token losses. The batch layout they read is common/bat
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from torch.utils.checkpoint import checkpoint
 
-from common.batch import completion_logits, micro_batches
+from common.batch import completion_hidden_states, micro_batches
+from common.errors import need
 
-# the entropy is computed over slices of at most this many logits (2^26 fp32: 256 MiB)
-ENTROPY_SLICE = 2**26
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+# The [N, V] logits of a micro-batch's N completion tokens would be the largest tensors of a step (16 x 512
+# tokens of a 152k vocabulary: 5 GB in fp32, and the backward of log-softmax and gather holds ~3 of them).
+# So they never exist whole: the output layer runs on LOGITS_CHUNK / V positions at a time, each chunk
+# checkpointed (the backward recomputes its logits instead of the forward keeping them). 2^26 fp32 logits
+# (256 MiB; ~440 positions of a 152k vocabulary) bound that peak near 1 GiB whatever N, in matmuls still
+# large enough to keep a GPU busy; the recomputation adds one more forward of the output layer (a third of
+# its cost, a few % of a 7B model's step).
+LOGITS_CHUNK = 2**26
 
 
 def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -20,31 +30,68 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     """log pi(y_t | x, y_<t) for the last `num_completion_tokens` columns of each row.
 
     The logit at position t predicts the token at t+1, so the C completion tokens are
-    scored by the logits at columns P-1 .. P+C-2 (see completion_logits), divided by the
+    scored by the logits at columns P-1 .. P+C-2 (see completion_hidden_states), divided by the
     sampling temperature first: the policy that generated the data is softmax(logits / T).
     The log-softmax runs in fp32 even under bf16 autocast (the main source of trainer/vLLM
     mismatch otherwise). Returns [B, C] log-probs, 0 on completion padding (and [B, C]
     entropies, detached, if asked).
 
-    Memory: the [N, V] logits of the N real completion tokens are the largest tensors of a
-    step (8k x 152k in fp32 is 5 GB), so none is copied needlessly: the temperature divides
-    in place, and the entropy is computed a slice of tokens at a time."""
+    Memory: the logits are computed LOGITS_CHUNK at a time from the model's last hidden
+    states, each chunk checkpointed, so neither pass holds more than a chunk of them."""
     C = num_completion_tokens
     real = attention_mask[:, -C:].bool()
-    logits = completion_logits(model, input_ids, attention_mask, C).float()
-    if temperature != 1.0:
-        logits = logits.div_(temperature)  # in place: the model's output is not needed again
-    log_z = torch.logsumexp(logits, dim=-1)
-    token_logprobs = logits.gather(-1, input_ids[:, -C:][real].unsqueeze(-1)).squeeze(-1) - log_z
+    hidden, (last_hidden, last_logits) = completion_hidden_states(model, input_ids, attention_mask, C)
+    layer = output_layer(model)
+    check_output_layer(model, layer, last_hidden, last_logits)
+    score = functools.partial(chunk_logprobs, layer, temperature, with_entropy)
+    step = max(1, LOGITS_CHUNK // last_logits.shape[-1])
+    chunks = [checkpoint(score, h, y, use_reentrant=False, preserve_rng_state=False) if torch.is_grad_enabled()
+              else score(h, y) for h, y in zip(hidden.split(step), input_ids[:, -C:][real].split(step))]
+    token_logprobs = torch.cat([c[0] for c in chunks])
     logprobs = token_logprobs.new_zeros(real.shape).masked_scatter(real, token_logprobs)
     if not with_entropy:
         return logprobs
+    return logprobs, torch.zeros_like(logprobs).masked_scatter(real, torch.cat([c[1] for c in chunks]))
+
+
+def chunk_logprobs(layer, temperature: float, with_entropy: bool, hidden: torch.Tensor, tokens: torch.Tensor):
+    """forward_logprobs of one chunk of positions: hidden [n, d], their tokens [n]; (log-probs [n], entropies
+    [n] (detached) or None)."""
+    logits = layer(hidden).float()
+    if temperature != 1.0:
+        logits = logits.div_(temperature)  # in place: the layer's output is not needed again
+    log_z = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_z
+    if not with_entropy:
+        return logprobs, None
+    with torch.no_grad():  # H = log Z - sum_v p_v * logit_v; after the log-probs: a recomputation stops before it
+        return logprobs, log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def output_layer(model):
+    """The model's logits as a function of its last hidden states: its output embeddings (lm_head, tied
+    or not, under LoRA the adapted layer; under FSDP2 the root's, which stays gathered from the forward
+    to the end of the backward), then the final-logit soft-capping of the models that have it (Gemma 2:
+    cap * tanh(logits / cap))."""
+    head = model.get_output_embeddings()
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cap = getattr(config, "final_logit_softcapping", None)
+    if not cap:
+        return head
+    return lambda hidden: torch.tanh(head(hidden) / cap) * cap
+
+
+def check_output_layer(model, layer, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+    """Once per model: the layer's logits of hidden [rows, d] are the model's own, logits [rows, V]. A model
+    whose forward scales its logits otherwise (Cohere's logit_scale, Granite's logits_scaling) is refused."""
+    if getattr(model, "output_layer_checked", False):
+        return
     with torch.no_grad():
-        # H = log Z - sum_v p_v * logit_v, a slice of tokens at a time: no second [N, V] tensor
-        step = max(1, ENTROPY_SLICE // logits.shape[-1])
-        entropy = torch.cat([z - (torch.softmax(chunk, dim=-1) * chunk).sum(-1)
-                             for chunk, z in zip(logits.detach().split(step), log_z.split(step))])
-    return logprobs, torch.zeros_like(logprobs).masked_scatter(real, entropy)
+        ours, own = layer(hidden).float(), logits.float()
+        need(bool((ours - own).abs().max() <= 1e-2 * own.abs().max() + 1e-3),
+             f"{type(model).__name__}'s forward transforms its output layer's logits in a way forward_logprobs "
+             f"does not reproduce (it applies final_logit_softcapping only)")
+    model.output_layer_checked = True
 
 
 @torch.no_grad()

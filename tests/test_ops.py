@@ -36,13 +36,13 @@ def test_logprobs_match_full_log_softmax_with_padding_on_both_sides(tiny_policy,
 @pytest.mark.parametrize("slice_positions", [None, 2])
 def test_entropy_in_slices_and_gradient_through_the_in_place_temperature(tiny_policy, tokenizer, monkeypatch,
                                                                         slice_positions):
-    """The entropy, computed at once or two positions at a time, equals -sum p log p of
+    """The entropy, computed in one chunk or two positions at a time, equals -sum p log p of
     softmax(logits / T); the log-probs and their gradient are those of log_softmax(logits / T)
     despite the in-place division."""
     import common.ops
 
     if slice_positions is not None:
-        monkeypatch.setattr(common.ops, "ENTROPY_SLICE", slice_positions * tiny_policy.config.vocab_size)
+        monkeypatch.setattr(common.ops, "LOGITS_CHUNK", slice_positions * tiny_policy.config.vocab_size)
     ids = tokenizer("sort 52813:12358")["input_ids"]
     input_ids, attention_mask, _ = make_batch([ids[:11]], [ids[11:]], tokenizer.pad_token_id, "cpu")
     T, C = 0.7, len(ids) - 11
@@ -58,17 +58,118 @@ def test_entropy_in_slices_and_gradient_through_the_in_place_temperature(tiny_po
     torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-4)
 
 
+def large_vocab_model(architecture: str, vocab_size: int = 50_000):
+    """A random one-layer model with a large vocabulary and a small body: Qwen2 with an untied output
+    layer, or Gemma 2 (tied) with its final-logit soft-capping at 3, which the logits of a
+    0.5-initialized head exceed."""
+    from transformers import AutoModelForCausalLM, Gemma2Config, Qwen2Config
+
+    sizes = dict(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=8, initializer_range=0.5)
+    config = Qwen2Config(**sizes, tie_word_embeddings=False) if architecture == "qwen2" else \
+        Gemma2Config(**sizes, final_logit_softcapping=3.0)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+def unchunked_logprobs(model, input_ids, attention_mask, C: int, temperature: float):
+    """The model's own [B, C, V] logits of the padded batch (its forward, soft-capping included), all at
+    once: log-probs and entropies ([B, C], padding included)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0)).logits[:, -C - 1:-1].float()
+    logp = torch.log_softmax(logits / temperature, -1)
+    return logp.gather(-1, input_ids[:, -C:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def random_batch(vocab_size: int, num_prompts: int = 2, completions=(7, 3, 0, 5)):
+    """Two prompts of different lengths, two completions each (one of them empty), random tokens."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, vocab_size, (n,), generator=g).tolist() for n in (4, 2) for _ in range(2)]
+    return make_batch(prompts, [torch.randint(1, vocab_size, (n,), generator=g).tolist() for n in completions],
+                      0, "cpu")
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "gemma2"])
+def test_chunked_logprobs_entropy_and_gradient_equal_the_whole_logits(monkeypatch, architecture):
+    """Log-probs computed 3 positions at a time from the last hidden states, each chunk checkpointed,
+    equal those of the model's own logits all at once, with their entropies and the gradient of every
+    weight: a 50k vocabulary, an untied head, or a tied one with soft-capping."""
+    import common.ops
+
+    model = large_vocab_model(architecture)
+    monkeypatch.setattr(common.ops, "LOGITS_CHUNK", 3 * model.config.vocab_size, raising=False)
+    input_ids, attention_mask, completion_mask = random_batch(model.config.vocab_size)
+    C, T = completion_mask.shape[1], 0.7
+    weights = torch.linspace(-1.0, 2.0, C) * completion_mask
+    expected, expected_entropy = unchunked_logprobs(model, input_ids, attention_mask, C, T)
+    expected_grad = torch.autograd.grad((expected * weights).sum(), list(model.parameters()))
+    logprobs, entropy = forward_logprobs(model, input_ids, attention_mask, C, T, with_entropy=True)
+    grad = torch.autograd.grad((logprobs * weights).sum(), list(model.parameters()))
+    torch.testing.assert_close(logprobs, expected * completion_mask, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, expected_entropy.detach() * completion_mask, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grad, expected_grad):  # sums over chunks, in another order: fp32 rounding
+        torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=1e-3)
+
+
+class LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most bytes of tensor storage allocated inside the mode that were alive at once (storage made
+    before it, e.g. the weights, is not counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak = set(), 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.live:
+                storage = t.untyped_storage()
+                self.live.add(storage.data_ptr())
+                self.now += storage.nbytes()
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(storage, self.free, storage.data_ptr(), storage.nbytes())
+        return out
+
+    def free(self, ptr: int, nbytes: int):
+        self.live.discard(ptr)
+        self.now -= nbytes
+
+
+def test_the_logits_peak_is_one_chunk_not_the_whole(monkeypatch):
+    """Forward and backward of 320 completion positions of a 50k vocabulary: the whole fp32 logits are
+    64 MB, and log-softmax's backward holds several such tensors; in chunks of 2^20 logits (4 MB, 20
+    positions) less than one of them is ever alive."""
+    import common.ops
+
+    model = large_vocab_model("qwen2")
+    V = model.config.vocab_size
+    monkeypatch.setattr(common.ops, "LOGITS_CHUNK", 2**20, raising=False)
+    input_ids, attention_mask, completion_mask = random_batch(V, completions=(80, 80, 80, 80))
+    N = int(completion_mask.sum())
+    with LiveBytes() as tracker:
+        logprobs, entropy = forward_logprobs(model, input_ids, attention_mask, completion_mask.shape[1], 0.7,
+                                             with_entropy=True)
+        logprobs.sum().backward()
+    assert N == 320 and tracker.peak < N * V * 4, tracker.peak
+
+
 def test_position_shift_on_hand_made_sequence():
     """A fake model whose logits at position t put all mass on token (input_t + 1) % V:
     with the right shift every completion token of a counting sequence has log-prob ~0."""
     V = 10
 
     class Counter(torch.nn.Module):
-        def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0, use_cache=False):
-            logits = torch.nn.functional.one_hot((input_ids + 1) % V, V).float() * 50.0
-            if logits_to_keep:
-                logits = logits[:, -logits_to_keep:]
-            return type("Out", (), {"logits": logits})()
+        config = type("Config", (), {})()  # no soft-capping, no attention implementation: runs padded
+
+        def get_output_embeddings(self):
+            return torch.nn.Identity()  # the last hidden states are the logits
+
+        def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0,
+                    output_hidden_states=False, use_cache=False):
+            hidden = torch.nn.functional.one_hot((input_ids + 1) % V, V).float() * 50.0
+            return type("Out", (), {"hidden_states": (hidden,), "logits": hidden[:, -logits_to_keep:]})()
 
     input_ids = torch.tensor([[0, 3, 4, 5, 6, 7]])  # prompt [0, 3, 4], completion [5, 6, 7]
     logprobs = forward_logprobs(Counter(), input_ids, torch.ones_like(input_ids), 3)
