@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import re
 import sys
 from dataclasses import dataclass, field
@@ -170,7 +171,9 @@ class CheckedEnv:
 def load_env(spec: str, task, timeout: float = 0.0, tokenizer=None, chat_template: bool = False) -> CheckedEnv:
     """--env NAME or FILE.py:FUNCTION, checked now, before anything heavy: the function takes no
     argument and returns an object with stop, start and step, which start and step on the first
-    train example (an empty turn) in time; and the chat template (if used) can append observations."""
+    train example (an empty turn) in time; and the chat template (if used) can append observations.
+    --env-timeout itself first: a negative or NaN limit is the flag's fault, not the environment's."""
+    need(math.isfinite(timeout) and timeout >= 0, f"--env-timeout must be >= 0 seconds (0: no limit), got {timeout}")
     if spec in ENVS:
         env = ENVS[spec]()
     elif ":" in spec:

@@ -272,12 +272,13 @@ def term_name(spec: str) -> str:
     return parse_reward_spec(spec)[0].rpartition(":")[2]
 
 
-def load_reward(specs: tuple[str, ...], task, timeout: float = 0.0) -> Reward:
+def load_reward(specs: tuple[str, ...], task, timeout: float = 0.0, transcript: bool = False) -> Reward:
     """The run's reward: the task's own (`correct`) without --reward flags, else their weighted
     sum; each call may take `timeout` seconds (--reward-timeout, 0: no limit). A function of the
     user's runs in the worker processes (InWorkers), which import its file again. Each function is
     checked now, before anything heavy: it must take (completion, example) and return a finite
-    number in time on a probe, the first train example's own answer."""
+    number in time on a probe, the first train example's own answer. transcript: the examples carry
+    the episode's "transcript" (grpo_multiturn.py), and so does the probe's (the answer, one turn)."""
     need(math.isfinite(timeout) and timeout >= 0, f"--reward-timeout must be >= 0 seconds (0: no limit), got {timeout}")
     terms = []
     for spec in specs or ("correct",):
@@ -302,6 +303,8 @@ def load_reward(specs: tuple[str, ...], task, timeout: float = 0.0) -> Reward:
                                f"calls past --reward-timeout); rename the function")
         terms.append(RewardTerm(name, fn, weight, spec))
     reward, probe = Reward(terms, timeout), task.train[0]
+    if transcript:
+        probe = {**probe, "transcript": str(probe.get("answer", ""))}
     for term in terms:
         try:
             value = reward.call(term, str(probe.get("answer", "")), probe)
