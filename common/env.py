@@ -19,6 +19,14 @@ One object serves every episode, so per-episode data belongs in the state. A ste
 one line naming the environment and the turn; one that runs past --env-timeout ends its episode,
 counted (env/timeouts), as a slow reward scores 0.
 
+Your environment (FILE.py:FUNCTION) runs in worker processes (common/workers.py), each of which
+calls FUNCTION once: a step past --env-timeout is killed with its worker, whatever it does (its own
+SIGALRM handler, `except BaseException`, a long C call, a never-ending thread), and a worker that
+dies (a segfault, os._exit, out of memory) ends its episode the same way, in a line of its own.
+An episode's state lives in the run and goes to a worker with each step and back (EnvState), so any
+worker serves any episode and a killed one loses nothing but its call: a state must pickle. The
+calculator runs in the run's own process, under a SIGALRM limit (common/rewards.py time_limit).
+
 Token-in/token-out: an episode keeps the ids the engine sampled and each observation's ids,
 tokenized once, on its own (observation_ids); the text is never re-encoded, because BPE merges
 across a turn boundary would give other ids than those sampled.
@@ -28,14 +36,21 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import re
+import sys
 from dataclasses import dataclass, field
 
+from tqdm import tqdm
+
 from common.calculator import calculate
-from common.engine import Logprob
-from common.errors import ConfigError, RunError
-from common.models import has_chat_template, stop_token_ids
-from common.rewards import RewardTimeout, load_function, time_limit
+from common.errors import ConfigError, RunError, need
+from common.rewards import RewardTimeout, time_limit
+from common.workers import DIED, OK, RAISED, TIMEOUT, WORKERS, load_function
+
+# common.engine and common.models (transformers) are imported where they are used: a worker imports
+# this module (the user's file does, for Step) and needs neither, and a worker replaced after a
+# timeout should start in a tenth of a second, not in seconds
 
 
 @dataclass
@@ -74,13 +89,36 @@ class Calculator(Environment):
 ENVS = {"calculator": Calculator}
 
 
+class EnvState:
+    """An episode's state (what start returned) while its environment runs in the workers: kept
+    here, sent with each step and replaced by the state the step leaves."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def env_calls(spec: str):
+    """In a worker: --env spec's environment, made once, as one function: ("start", None, example)
+    -> its state; ("step", state, turn) -> (the Step, the state after it)."""
+    env = load_function(spec, "--env")()
+
+    def call(method: str, state, *args):
+        if method == "start":
+            return env.start(*args)
+        return env.step(state, *args), state
+    return call
+
+
 class CheckedEnv:
     """An environment whose calls are checked: one that raises or returns anything but a Step is
-    a one-line error naming it; a step past `timeout` seconds (0: no limit) returns None."""
+    a one-line error naming it; a step past `timeout` seconds (0: no limit), or whose worker died,
+    returns None. in_workers: the environment runs in the worker processes (the user's), where
+    it is made again; `env` (made here too) only gives its stop strings."""
 
-    def __init__(self, env, spec: str, timeout: float):
+    def __init__(self, env, spec: str, timeout: float, in_workers: bool = False):
         self.env, self.spec, self.timeout = env, spec, timeout
         self.stop = tuple(env.stop)
+        self.recipe = ("common.env", "env_calls", (spec,)) if in_workers else None
 
     def _call(self, what: str, fn, *args):
         try:
@@ -91,17 +129,39 @@ class CheckedEnv:
         except (Exception, SystemExit) as e:
             raise ConfigError(f"--env {self.spec!r}: {what} raised {type(e).__name__}: {e}") from None
 
+    def _in_worker(self, what: str, *args) -> tuple[str, object]:
+        """The call in a worker: (kind, value) as common/workers.py gives them; raising is one line."""
+        kind, value = WORKERS.map(self.recipe, [args], self.timeout)[0]
+        if kind == RAISED:
+            raise ConfigError(f"--env {self.spec!r}: {what} raised {value}")
+        return kind, value
+
     def start(self, example: dict):
+        if self.recipe is not None:
+            kind, value = self._in_worker("start", "start", None, example)
+            need(kind != TIMEOUT, f"--env {self.spec!r}: start ran past --env-timeout {self.timeout:g} s")
+            need(kind != DIED, f"--env {self.spec!r}: its worker died ({value}) in start")
+            return EnvState(value)
         try:
             return self._call("start", self.env.start, example)
         except RewardTimeout:
             raise ConfigError(f"--env {self.spec!r}: start ran past --env-timeout {self.timeout:g} s") from None
 
     def step(self, state, turn: str) -> Step | None:
-        try:
-            step = self._call(f"step on turn {turn[:80]!r}", self.env.step, state, turn)
-        except RewardTimeout:
-            return None
+        what = f"step on turn {turn[:80]!r}"
+        if self.recipe is not None:
+            kind, value = self._in_worker(what, "step", state.value, turn)
+            if kind == DIED:
+                tqdm.write(f"--env {self.spec!r}: its worker died ({value}) in {what}; the episode ended",
+                           file=sys.stderr)
+            if kind != OK:  # past the limit, or its worker died: the episode ends (env/timeouts)
+                return None
+            step, state.value = value
+        else:
+            try:
+                step = self._call(what, self.env.step, state, turn)
+            except RewardTimeout:
+                return None
         if not isinstance(step, Step) or not (step.observation is None or isinstance(step.observation, str)):
             raise ConfigError(f"--env {self.spec!r}: step returned {str(step)[:80]} on turn {turn[:80]!r}; it must "
                               f"return a Step (from common.env import Step) whose observation is a str or None")
@@ -111,7 +171,9 @@ class CheckedEnv:
 def load_env(spec: str, task, timeout: float = 0.0, tokenizer=None, chat_template: bool = False) -> CheckedEnv:
     """--env NAME or FILE.py:FUNCTION, checked now, before anything heavy: the function takes no
     argument and returns an object with stop, start and step, which start and step on the first
-    train example (an empty turn) in time; and the chat template (if used) can append observations."""
+    train example (an empty turn) in time; and the chat template (if used) can append observations.
+    --env-timeout itself first: a negative or NaN limit is the flag's fault, not the environment's."""
+    need(math.isfinite(timeout) and timeout >= 0, f"--env-timeout must be >= 0 seconds (0: no limit), got {timeout}")
     if spec in ENVS:
         env = ENVS[spec]()
     elif ":" in spec:
@@ -133,11 +195,14 @@ def load_env(spec: str, task, timeout: float = 0.0, tokenizer=None, chat_templat
     if missing or not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
         raise ConfigError(f"--env {spec!r}: returned {type(env).__name__}, not an environment (it needs "
                           f"start(example), step(state, turn) and stop, a tuple of non-empty strings: common/env.py)")
+    from common.models import has_chat_template
+
     if chat_template and tokenizer is not None and has_chat_template(tokenizer):
         observation_frame(tokenizer)
-    checked = CheckedEnv(env, spec, timeout)
+    checked = CheckedEnv(env, spec, timeout, in_workers=spec not in ENVS)
     if checked.step(checked.start(task.train[0]), "") is None:
-        raise ConfigError(f"--env {spec!r}: step ran past --env-timeout {timeout:g} s on an empty turn")
+        raise ConfigError(f"--env {spec!r}: step ran past --env-timeout {timeout:g} s (or its worker died) on an "
+                          f"empty turn")
     return checked
 
 
@@ -147,6 +212,8 @@ def observation_ids(tokenizer, text: str, chat_template: bool, turn_ids: list[in
     template has no tool role) and the next assistant turn follow: the assistant turn's end, the
     message, the generation prompt, the separators a turn boundary needs (a turn that ended with the
     end-of-turn token, turn_ids' last, already holds that one); without one, the text as it is."""
+    from common.models import has_chat_template, stop_token_ids
+
     if not (chat_template and has_chat_template(tokenizer)):
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     before, after = observation_frame(tokenizer)
@@ -200,6 +267,8 @@ class Episode:
         self.parts.append(["model", completion.text])
 
     def add_observation(self, ids: list[int], text: str) -> None:
+        from common.engine import Logprob
+
         self.token_ids += ids
         self.logprobs += [{t: Logprob(0.0)} for t in ids]
         self.model_mask += [0] * len(ids)

@@ -16,17 +16,19 @@ The rule: given --reward flags REPLACE the task's reward by their weighted sum,
 and `correct`, the task's own verifier, is one of them when you want it. Each r_k is logged
 as reward/<name>_mean. Held-out accuracy is always the task's own verifier (reward >= 1).
 Every call is checked (checked_call: one line naming the function, the completion and what went
-wrong) and may take --reward-timeout seconds (time_limit): past it, it scores 0 and is counted.
+wrong) and may take --reward-timeout seconds: past it, it scores 0 and is counted. Your functions
+(--reward FILE.py:FN, and a --task FILE.py:FN's reward) run in worker processes (common/workers.py,
+InWorkers), a batch's calls in parallel; a call past the limit is killed with its worker, so
+nothing it does (its own SIGALRM handler, `except BaseException`, a long C call, a never-ending
+thread) can stall the run or keep it from exiting. The built-ins run in the run's own process,
+under a SIGALRM limit (time_limit).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 import inspect
 import math
-import os
 import re
 import signal
 import sys
@@ -34,51 +36,10 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 from tqdm import tqdm
 
 from common.errors import ConfigError, RunError, need
-
-_MODULES: dict[str, object] = {}  # one module object per file: a task and rewards from one file share it
-
-
-def load_function(spec: str, what: str) -> Callable:
-    """'path/to/file.py:name' or 'package.module:name' -> the function; one-line errors that
-    name the file, the function and what is wrong."""
-    source, colon, name = spec.rpartition(":")
-    if not colon or not source or not name:
-        raise ConfigError(f"{what} {spec!r}: expected FILE.py:FUNCTION or MODULE:FUNCTION")
-    if source.endswith(".py"):
-        path = os.path.abspath(os.path.expanduser(source))
-        if not os.path.isfile(path):
-            raise ConfigError(f"{what} {spec!r}: file {source!r} does not exist")
-        if path not in _MODULES:
-            folder = os.path.dirname(path)
-            if folder not in sys.path:
-                sys.path.insert(0, folder)
-            module_name = "user_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
-            module_spec = importlib.util.spec_from_file_location(module_name, path)
-            module = importlib.util.module_from_spec(module_spec)
-            try:
-                module_spec.loader.exec_module(module)
-            except (Exception, SystemExit) as e:  # sys.exit() in the file too: not a silent exit
-                raise ConfigError(f"{what} {spec!r}: importing {source!r} failed ({type(e).__name__}: {e})") from None
-            _MODULES[path] = module
-        module = _MODULES[path]
-    else:
-        try:
-            module = importlib.import_module(source)
-        except (Exception, SystemExit) as e:
-            raise ConfigError(f"{what} {spec!r}: cannot import module {source!r} ({type(e).__name__}: {e}); "
-                              f"a file is written FILE.py:FUNCTION") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        public = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
-                        and getattr(v, "__module__", None) == module.__name__)
-        raise ConfigError(f"{what} {spec!r}: {source!r} has no function {name!r} "
-                          f"(it has: {', '.join(public) or 'none'})")
-    return fn
-
+from common.workers import DIED, OK, RAISED, WORKERS, load_function
 
 # ---------------------------------------------------------------------------------------
 # built-in rewards
@@ -107,27 +68,67 @@ BUILTIN_REWARDS: dict[str, Callable] = {
 # a checked call, in a time limit
 # ---------------------------------------------------------------------------------------
 
-FLOAT32_MAX = torch.finfo(torch.float32).max  # a Python float above it (1e39) is inf in the reward tensor
+# torch.finfo(torch.float32).max: a Python float above it (1e39) is inf in the reward tensor. torch is
+# imported where it is used: a worker imports this module (through common.tasks) but never needs torch,
+# and a worker replaced after a timeout should start in a tenth of a second, not in seconds
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def checked_call(fn: Callable[[str, dict], float], completion: str, example: dict, source: str) -> float:
-    """fn(completion, example) as a float, checked: an exception, or anything but a number that
-    float32 holds (1e39 passes as a Python float, then becomes inf in the reward tensor, and the
-    advantages, loss and weights NaN), is a ConfigError of one line naming source ("reward
-    'my.py:fn'", "task 'gsm8k': reward function"), the completion and what went wrong. The reward
-    terms (RewardTerm) and the task's own reward (Task.reward, in training and evaluation) are
-    called through it."""
+    """fn(completion, example) as a float, checked (checked): an exception, or anything but a number
+    that float32 holds, is a ConfigError of one line naming source ("reward 'my.py:fn'", "task
+    'gsm8k': reward function"), the completion and what went wrong. The reward terms (RewardTerm)
+    and the task's own reward (Task.reward, in training and evaluation) are called through it. A
+    function in the workers (InWorkers) is called there, without a time limit: Reward calls them
+    in batches, in parallel, within one."""
+    if isinstance(fn, InWorkers):
+        value = checked(fn.map([(completion, example)], fn.timeout)[0], completion, fn.source)
+        if value is None:
+            raise RewardTimeout
+        return value
     try:
         r = fn(completion, example)
     except RunError:  # already one line (the task's own reward, inside the `correct` term)
         raise
     except (Exception, SystemExit) as e:
-        raise ConfigError(f"{source} raised {type(e).__name__}: {e} on completion {completion[:80]!r}") from None
+        return checked((RAISED, f"{type(e).__name__}: {e}"), completion, source)
+    return checked((OK, r), completion, source)
+
+
+def checked(outcome: tuple[str, object], completion: str, source: str) -> float | None:
+    """A call's outcome (common/workers.py: kind, value) as a float, or None for a call past its
+    time limit or whose worker died. 1e39 passes as a Python float, then becomes inf in the reward
+    tensor, and the advantages, loss and weights NaN: refused, as an exception is."""
+    kind, r = outcome
+    if kind == RAISED:
+        raise ConfigError(f"{source} raised {r} on completion {completion[:80]!r}")
+    if kind != OK:
+        return None
     # abs(r) <= FLOAT32_MAX compares an int exactly (no OverflowError for 10**400) and is False for NaN
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not abs(r) <= FLOAT32_MAX:
         raise ConfigError(f"{source} returned {shown(r)} for completion {completion[:80]!r}; it must return "
                           f"a finite number within float32's range (|r| <= {FLOAT32_MAX:.3g})")
     return float(r)
+
+
+class InWorkers:
+    """A user's reward function (--reward FILE.py:FN, a --task FILE.py:FN's reward) that runs in the
+    worker processes (common/workers.py), where `recipe` gives it; source names it in messages."""
+
+    def __init__(self, recipe: tuple, source: str, timeout: float = 0.0):
+        self.recipe, self.source, self.timeout = recipe, source, timeout
+
+    def map(self, calls: list[tuple], timeout: float) -> list[tuple[str, object]]:
+        return WORKERS.map(self.recipe, calls, timeout)
+
+    def __call__(self, completion: str, example: dict) -> float:
+        return checked_call(self, completion, example, self.source)
+
+
+def in_workers(fn) -> InWorkers | None:
+    """The InWorkers behind fn: fn itself, or a Task's reward (task.reward) whose reward_fn is one."""
+    fn = fn if isinstance(fn, InWorkers) else getattr(getattr(fn, "__self__", None), "reward_fn", None)
+    return fn if isinstance(fn, InWorkers) else None
 
 
 def shown(value) -> str:
@@ -138,19 +139,18 @@ def shown(value) -> str:
 
 
 class RewardTimeout(BaseException):
-    """A reward call ran past its time limit. A BaseException, as KeyboardInterrupt is, so that a
+    """A reward call ran past its time limit (or its worker died). A BaseException, as KeyboardInterrupt is, so that a
     reward's own `except Exception` (math_reward has one) does not swallow it and carry on."""
 
 
 @contextlib.contextmanager
 def time_limit(seconds: float):
     """with time_limit(s): the block, interrupted by RewardTimeout after s seconds of wall time
-    (0: no limit). A SIGALRM timer (ITIMER_REAL): its handler raises in the main thread between two
-    bytecodes or out of a blocking call (sleep, I/O), so a pure-Python infinite loop stops too; a
-    worker thread could only be abandoned, spinning on and taking the GIL from training. The
-    scripts call rewards in the main thread (under torchrun each rank is its own process); in
-    another thread there is no limit. No in-process limit stops a single C call that holds the
-    interpreter (a huge integer power): that would need a subprocess a call."""
+    (0: no limit): the limit of the built-in rewards, which run in the run's own process. A SIGALRM
+    timer (ITIMER_REAL): its handler raises in the main thread between two bytecodes or out of a
+    blocking call (sleep, I/O), so a pure-Python infinite loop stops too; in another thread there is
+    no limit. It cannot stop a single C call that holds the interpreter, nor code that replaces the
+    handler or catches BaseException: the user's code runs in workers instead (InWorkers)."""
     if not seconds or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -191,21 +191,44 @@ class Reward:
     training uses them (a total beyond its range is one line). Each call may take `timeout`
     seconds (--reward-timeout; 0: no limit): one that runs past it scores 0, parts["timeouts"]
     counts them per completion (the metrics log their sum, reward/timeouts) and stderr says so,
-    once a batch. The run goes on."""
+    once a batch. A user's function (InWorkers) runs in the worker processes, a term's calls in
+    parallel: one past the limit is killed with its worker, and a call whose worker dies (a
+    segfault, os._exit, out of memory) scores 0 and is counted the same, in a line of its own.
+    The built-ins run here, under time_limit. The run goes on."""
 
     def __init__(self, terms: list[RewardTerm], timeout: float = 0.0):
         self.terms, self.timeout = terms, timeout
+        self.died: dict[str, int] = {}  # term -> its calls of the last batch whose worker died
 
     def call(self, term: RewardTerm, completion: str, example: dict) -> float | None:
         """term(completion, example), or None if it ran past the time limit."""
-        try:
-            with time_limit(self.timeout):
-                return term(completion, example)
-        except RewardTimeout:
-            return None
+        return self.values(term, [completion], [example])[0]
+
+    def values(self, term: RewardTerm, completions: list[str], examples: list[dict]) -> list[float | None]:
+        """term on each completion, None for a call past the time limit or whose worker died."""
+        remote = in_workers(term.fn)
+        self.died[term.name] = 0
+        if remote is None:
+            out = []
+            for completion, example in zip(completions, examples):
+                try:
+                    with time_limit(self.timeout):
+                        out.append(term(completion, example))
+                except RewardTimeout:
+                    out.append(None)
+            return out
+        outcomes = remote.map(list(zip(completions, examples)), self.timeout)
+        died = [(c, how) for (kind, how), c in zip(outcomes, completions) if kind == DIED]
+        self.died[term.name] = len(died)
+        if died:
+            tqdm.write(f"{remote.source}: its worker died ({died[0][1]}) on {len(died)} of {len(completions)} "
+                       f"completions (the first: {died[0][0][:80]!r}); they scored 0", file=sys.stderr)
+        return [checked(o, c, remote.source) for o, c in zip(outcomes, completions)]
 
     def __call__(self, completions: list[str], examples: list[dict]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        values = {t.name: [self.call(t, c, e) for c, e in zip(completions, examples)] for t in self.terms}
+        import torch
+
+        values = {t.name: self.values(t, completions, examples) for t in self.terms}
         parts = {name: torch.tensor([0.0 if v is None else v for v in vs], dtype=torch.float32)
                  for name, vs in values.items()}
         total = sum(t.weight * parts[t.name] for t in self.terms)
@@ -214,7 +237,7 @@ class Reward:
             terms = " + ".join(f"{t.weight:g} x {t.name} {parts[t.name][i].item():.3g}" for t in self.terms)
             raise ConfigError(f"the weighted sum of the reward terms ({terms}) is beyond float32's range for "
                               f"completion {completions[i][:80]!r}; scale the terms or their weights down")
-        late = {name: sum(v is None for v in vs) for name, vs in values.items()}
+        late = {name: sum(v is None for v in vs) - self.died.get(name, 0) for name, vs in values.items()}
         parts[TIMEOUTS] = sum(torch.tensor([v is None for v in vs], dtype=torch.float32) for vs in values.values())
         if any(late.values()):
             tqdm.write(f"reward calls past --reward-timeout {self.timeout:g} s scored 0: " + ", ".join(
@@ -249,11 +272,13 @@ def term_name(spec: str) -> str:
     return parse_reward_spec(spec)[0].rpartition(":")[2]
 
 
-def load_reward(specs: tuple[str, ...], task, timeout: float = 0.0) -> Reward:
+def load_reward(specs: tuple[str, ...], task, timeout: float = 0.0, transcript: bool = False) -> Reward:
     """The run's reward: the task's own (`correct`) without --reward flags, else their weighted
-    sum; each call may take `timeout` seconds (--reward-timeout, 0: no limit). Each function is
+    sum; each call may take `timeout` seconds (--reward-timeout, 0: no limit). A function of the
+    user's runs in the worker processes (InWorkers), which import its file again. Each function is
     checked now, before anything heavy: it must take (completion, example) and return a finite
-    number in time on a probe, the first train example's own answer."""
+    number in time on a probe, the first train example's own answer. transcript: the examples carry
+    the episode's "transcript" (grpo_multiturn.py), and so does the probe's (the answer, one turn)."""
     need(math.isfinite(timeout) and timeout >= 0, f"--reward-timeout must be >= 0 seconds (0: no limit), got {timeout}")
     terms = []
     for spec in specs or ("correct",):
@@ -270,6 +295,7 @@ def load_reward(specs: tuple[str, ...], task, timeout: float = 0.0) -> Reward:
                                   f"{name} has the signature {inspect.signature(fn)}") from None
             except ValueError:  # no signature to inspect (some builtins): the probe below checks it
                 pass
+            fn = InWorkers(("common.workers", "load_function", (target, "--reward")), f"reward {spec!r}")
         if any(t.name == name for t in terms):
             raise ConfigError(f"--reward {spec!r}: two reward terms are named {name!r}; each is logged as "
                               f"reward/<name>_mean, so names must differ")
@@ -277,11 +303,15 @@ def load_reward(specs: tuple[str, ...], task, timeout: float = 0.0) -> Reward:
                                f"calls past --reward-timeout); rename the function")
         terms.append(RewardTerm(name, fn, weight, spec))
     reward, probe = Reward(terms, timeout), task.train[0]
+    if transcript:
+        probe = {**probe, "transcript": str(probe.get("answer", ""))}
     for term in terms:
         try:
             value = reward.call(term, str(probe.get("answer", "")), probe)
         except RunError as e:
             raise ConfigError(f"{e} (a probe call with the first train example, before training)") from None
+        need(not reward.died[term.name], f"reward {term.spec!r}: its worker died on a probe call with the first train "
+                                         f"example, before training (its output above says why)")
         need(value is not None, f"reward {term.spec!r} ran past --reward-timeout {timeout:g} s on a probe call with "
                                 f"the first train example, before training: fix it, or give it more time")
     return reward
@@ -332,11 +362,12 @@ def load_reward_model(name_or_path: str, dtype: str, device: str):
     return model, tokenizer
 
 
-@torch.no_grad()
 def reward_model_scores(reward_model, rm_tokenizer, texts: list[str], device: str, micro_batch_size: int):
     """The reward model's score of each text (prompt + completion as generated, end-of-turn
     token included: what a reward model is trained to read), at its last real token, a
     micro-batch at a time. A text that starts with BOS (a decoded prompt) gets no second one."""
+    import torch
+
     bos = rm_tokenizer.bos_token
     if bos is not None and rm_tokenizer("")["input_ids"][:1] == [rm_tokenizer.bos_token_id]:
         texts = [t.removeprefix(bos) for t in texts]
@@ -344,7 +375,8 @@ def reward_model_scores(reward_model, rm_tokenizer, texts: list[str], device: st
     for i in range(0, len(texts), micro_batch_size):
         batch = rm_tokenizer(texts[i:i + micro_batch_size], return_tensors="pt", padding=True,
                              padding_side="right").to(device)
-        hidden = reward_model.base_model(**batch, use_cache=False).last_hidden_state
-        last = batch["attention_mask"].sum(1) - 1
-        scores.append(reward_model.score(hidden[torch.arange(len(last), device=device), last]).squeeze(-1).float())
+        with torch.no_grad():
+            hidden = reward_model.base_model(**batch, use_cache=False).last_hidden_state
+            last = batch["attention_mask"].sum(1) - 1
+            scores.append(reward_model.score(hidden[torch.arange(len(last), device=device), last]).squeeze(-1).float())
     return torch.cat(scores)

@@ -26,7 +26,7 @@ def prepare(args, check, min_completions: int = 2):
     if args.lora_rank:
         check_lora_targets(config, args.lora_target_modules)
     task = load_task(args.task, seed=args.seed)
-    reward_fn = load_reward(args.reward, task, args.reward_timeout)  # checked on a probe
+    reward_fn = load_reward(args.reward, task, args.reward_timeout, transcript=hasattr(args, "env"))  # a probe call
     tokenizer = load_tokenizer(args.model)
     max_prompt_len = max(len(p) for p in encode_prompts(tokenizer, [e["prompt"] for e in task.train + task.eval],
                                                         args.chat_template, args.system_prompt))

@@ -43,7 +43,8 @@ from typing import Callable
 
 from common.errors import ConfigError
 from common.hub import hub_reachable
-from common.rewards import checked_call, load_function
+from common.rewards import InWorkers, checked_call
+from common.workers import load_function, recipe_of
 
 
 @dataclass
@@ -493,9 +494,11 @@ def load_task(name: str, seed: int = 0) -> Task:
     return TASKS[name](seed=seed)
 
 
-def user_task(spec: str, seed: int) -> Task:
+def user_task(spec: str, seed: int, in_workers: bool = True) -> Task:
     """--task FILE.py:FUNCTION: the function's Task (called with seed=SEED if it takes a seed),
-    checked: train and eval examples are dicts with a "prompt" string."""
+    checked: train and eval examples are dicts with a "prompt" string. Its reward runs in the worker
+    processes (common/rewards.py InWorkers), which find it by its name in its module, or (a lambda, a
+    closure) call FUNCTION again for it (user_task_reward)."""
     make_task = load_function(spec, "--task")
     try:
         signature = inspect.signature(make_task)
@@ -525,4 +528,12 @@ def user_task(spec: str, seed: int) -> Task:
                               f"be a dict with a non-empty \"prompt\" string")
     if not callable(task.reward_fn):
         raise ConfigError(f"--task {spec!r}: Task.reward_fn must be a function (completion, example) -> float")
+    if in_workers:
+        recipe = recipe_of(task.reward_fn, "--task") or ("common.tasks", "user_task_reward", (spec, seed))
+        task.reward_fn = InWorkers(recipe, f"task {task.name!r}: reward function")
     return task
+
+
+def user_task_reward(spec: str, seed: int) -> Callable:
+    """In a worker: the reward function of --task FILE.py:FUNCTION's Task, made again."""
+    return user_task(spec, seed, in_workers=False).reward_fn

@@ -8,6 +8,7 @@ does (a stop token or a stop string, kept; "length" at the request's own max_tok
 
 import copy
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -332,6 +333,26 @@ def test_a_bad_env_is_one_line(env_file, spec, message):
     with pytest.raises(ConfigError, match="^" + re.escape(message.format(file=env_file))) as e:
         load_env(spec.format(file=env_file), TASK, 5.0)
     one_line(e)
+
+
+@pytest.mark.parametrize("timeout", [-1.0, math.nan])
+def test_a_bad_env_timeout_is_the_flags_fault_in_one_line(timeout):
+    with pytest.raises(ConfigError, match=re.escape(f"--env-timeout must be >= 0 seconds (0: no limit), got {timeout}")):
+        load_env("calculator", TASK, timeout)
+
+
+def test_a_reward_that_reads_the_transcript_passes_the_start_up_probe(tmp_path, monkeypatch):
+    """docs/multiturn.md: --reward terms read example["transcript"]; the probe's example has one too."""
+    from common.args import parse_args
+    from common.setup import prepare
+    from common.scripts import load_script
+
+    monkeypatch.chdir(ROOT)
+    user = tmp_path / "reads.py"
+    user.write_text('def reads(completion, example):\n    return float(example["transcript"].endswith(completion))\n')
+    script = load_script("grpo_multiturn.py")
+    _, reward, _, _ = prepare(parse_args(script.Args, ["--task", "multiply", "--reward", f"{user}:reads"]), script.check)
+    assert [t.name for t in reward.terms] == ["reads"]
 
 
 def test_the_example_env_loads_and_retries(tokenizer):
