@@ -172,9 +172,12 @@ def micro_batches(rows: torch.Tensor, input_ids: torch.Tensor, attention_mask: t
     group_lens = torch.zeros_like(completion_lens).scatter_reduce(0, group, completion_lens, "amax")[group]
     order = torch.argsort(((group_lens * (P + 1) + prompt_lens) * len(rows) + group) * (C + 1) + completion_lens,
                           stable=True)
-    for i in range(0, len(rows), size):
-        chunk = order[i:i + size]
-        p, c = int(prompt_lens[chunk].max()), max(1, int(completion_lens[chunk].max()))
+    chunks = order.split(size)
+    # every micro-batch's longest prompt and completion, read to the host in one transfer (they are shapes)
+    longest = torch.stack([torch.stack([prompt_lens[chunk].max(), completion_lens[chunk].max()])
+                           for chunk in chunks]).tolist()
+    for chunk, (p, c) in zip(chunks, longest):
+        c = max(1, c)
         yield rows[chunk], slice(P - p, P + c), c
 
 

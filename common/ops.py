@@ -143,7 +143,8 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str,
     token_sums = (values * mask).sum(-1)
     if mode == "token-mean":
         # max(., 1): a minibatch whose completions are all masked out gives 0, not NaN
-        return token_sums.sum() / max(float(num_tokens), 1.0)
+        # (a tensor count stays on its device: no host transfer per micro-batch)
+        return token_sums.sum() / torch.as_tensor(num_tokens, device=token_sums.device).clamp(min=1.0)
     if mode == "seq-mean-token-mean":
         return (token_sums / mask.sum(-1).clamp(min=1)).sum() / num_seqs
     if mode == "seq-mean-token-sum":
