@@ -55,6 +55,9 @@ def check_model(name_or_path: str, flag: str = "--model"):
     anything else is taken as a hub id (org/name), read from the local cache when the hub
     can't be reached."""
     if looks_like_a_path(name_or_path) and not os.path.isdir(os.path.expanduser(name_or_path)):
+        if os.path.exists(os.path.expanduser(name_or_path)):
+            raise ConfigError(f"{flag}: model path {name_or_path!r} is a file, not a model folder (the folder "
+                              f"that holds config.json and the weights)")
         raise ConfigError(f"{flag}: model path {name_or_path!r} does not exist (no such folder)")
     path = resolve_model(name_or_path)
     local = os.path.isdir(path)

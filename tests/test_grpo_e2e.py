@@ -78,6 +78,7 @@ def test_truncated_completions_masked_out_give_no_nan(tmp_path, run_main):
     (["--model", "no/such/model/dir"], "model path 'no/such/model/dir' does not exist"),
     (["--model", "./missing"], "does not exist"),
     (["--model", "models/tiny-sortt"], "model path 'models/tiny-sortt' does not exist (no such folder)"),
+    (["--model", "models/tiny-sort/config.json"], "is a file, not a model folder"),
     (["--task", "nope"], "unknown task 'nope'; known tasks: arithmetic, basic_arithmetic, countdown, gsm8k, multiply, sort"),
     (["--completions-per-prompt", "1"], "--completions-per-prompt must be >= 2"),
     (["--max-new-tokens", "500"], "exceeds the model's context of 128 tokens"),
