@@ -164,12 +164,13 @@ def all_gather_objects(items: list) -> list:
 
 def mean_over_ranks(metrics: dict) -> dict:
     """Each metric averaged over ranks (equal shares: a mean over the batch is exact; std and
-    token-weighted means are the ranks' average). One reduction for all of them."""
+    token-weighted means are the ranks' average), except counts of events on a rank (".../timeouts":
+    reward calls, environment steps), which are summed: the whole batch's. One reduction for all."""
     if world_size() == 1:
         return metrics
     keys = sorted(metrics)
-    values = all_sum(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)) / world_size()
-    return dict(zip(keys, values.tolist()))
+    values = all_sum(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)).tolist()
+    return {k: v if k.endswith("timeouts") else v / world_size() for k, v in zip(keys, values)}
 
 
 def broadcast(obj):

@@ -653,3 +653,16 @@ def test_each_rank_seeds_and_resumes_its_own_generators(monkeypatch):
     run.seed_everything(3, 2)
     run.set_rng_states(states)  # none of rank 2's: its own seeding stays
     assert torch.equal(torch.rand(4), own)
+
+
+def test_metrics_over_ranks_average_the_means_and_sum_the_counts(monkeypatch):
+    """Under torchrun a step's metrics are the whole batch's: a mean is the ranks' average, a count of
+    timeouts (reward calls, environment steps) their sum (3 and 3 calls past the limit are 6, not 3)."""
+    from common import dist
+
+    ranks = [{"reward/mean": 0.25, "reward/timeouts": 3.0, "env/timeouts": 1.0},
+             {"reward/mean": 0.75, "reward/timeouts": 3.0, "env/timeouts": 0.0}]
+    monkeypatch.setattr(dist, "world_size", lambda: 2)
+    monkeypatch.setattr(dist, "all_sum", lambda x: sum(torch.tensor([r[k] for k in sorted(r)], dtype=torch.float64)
+                                                        for r in ranks))  # what the two ranks' reduction gives
+    assert dist.mean_over_ranks(ranks[0]) == {"reward/mean": 0.5, "reward/timeouts": 6.0, "env/timeouts": 1.0}
