@@ -13,7 +13,8 @@ nesting (parentheses and unary signs) at most 20 deep, checked before Python's r
 could be, and no value (a literal or an intermediate result) whose numerator or denominator
 has more than 30 digits. Whatever the input, the answer is the text the model reads next: the
 value ("5535", "-12", "0.3333333333": an integer exactly, else 10 significant digits in plain
-decimal notation, which the calculator can read back), or a message beginning with "error: ".
+decimal notation with at most 29 decimal places, which the calculator can read back), or a message
+beginning with "error: ".
 """
 
 from decimal import Context, Decimal
@@ -109,6 +110,10 @@ def _format(value: Fraction) -> str:
     if value.denominator == 1:
         return str(value.numerator)
     rounded = Context(prec=10).divide(Decimal(value.numerator), Decimal(value.denominator))
+    if rounded.as_tuple().exponent < 1 - MAX_DIGITS:  # a denominator of 10^29 at most: a literal it reads back
+        rounded = rounded.quantize(Decimal(1).scaleb(1 - MAX_DIGITS))
+        if not rounded:
+            return "0"
     text = format(rounded, "f")
     return text.rstrip("0").rstrip(".") if "." in text else text
 

@@ -95,3 +95,14 @@ def test_no_input_makes_it_raise_or_run_long():
             assert calculate(answer) == answer  # a value reads back as itself
     assert time.perf_counter() - start < 5
     assert calculate(None).startswith("error: ")  # not even for a non-string
+
+
+@pytest.mark.parametrize("sevens", [10, 20, 25, 30, 35])
+def test_a_tiny_quotient_reads_back(sevens):
+    """1/7/.../7 is below 1e-21 with 25 sevens: 10 significant digits of it in plain notation would need
+    more than 29 decimal places (a denominator over 30 digits), a literal the calculator refuses; the answer
+    keeps 29 at most."""
+    answer = calculate("/".join(["1"] + ["7"] * sevens))
+    assert not answer.startswith("error: "), answer
+    assert calculate(answer) == answer
+    assert len(answer.partition(".")[2]) <= 29
