@@ -551,14 +551,23 @@ def filesystem_of(path: str) -> str:
 
 def open_until(path: str, step: int):
     """A JSONL log of {"step": N, ...} lines, opened for appending: a resumed run (step > 0)
-    keeps the lines up to its checkpoint's step and drops those written after it."""
+    keeps the lines up to its checkpoint's step and drops those written after it, and a line a crash
+    cut short while writing it (the last, written after the checkpoint)."""
     kept = []
     if step > 0 and os.path.exists(path):
         with open(path) as f:
-            kept = [line for line in f if json.loads(line)["step"] <= step]
+            kept = [line for line in f if whole_line(line) and json.loads(line)["step"] <= step]
     f = open(path, "w")
     f.writelines(kept)
     return f
+
+
+def whole_line(line: str) -> bool:
+    """Whether a JSONL line was written whole (a crash can cut the last one short)."""
+    try:
+        return line.endswith("\n") and isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
 
 
 class MetricsLogger:

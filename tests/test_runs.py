@@ -666,3 +666,14 @@ def test_metrics_over_ranks_average_the_means_and_sum_the_counts(monkeypatch):
     monkeypatch.setattr(dist, "all_sum", lambda x: sum(torch.tensor([r[k] for k in sorted(r)], dtype=torch.float64)
                                                         for r in ranks))  # what the two ranks' reduction gives
     assert dist.mean_over_ranks(ranks[0]) == {"reward/mean": 0.5, "reward/timeouts": 6.0, "env/timeouts": 1.0}
+
+
+def test_a_resume_drops_a_metrics_line_a_crash_cut_short(tmp_path):
+    """A crash while a line of metrics.jsonl was being written leaves half of it: the resumed run keeps
+    the whole lines up to its checkpoint and drops that one (json.loads of it raised before)."""
+    from common.run import open_until
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "reward/mean": 0.5}\n{"step": 2, "reward/mean": 0.6}\n{"step": 3, "rew')
+    open_until(path, 2).close()
+    assert path.read_text() == '{"step": 1, "reward/mean": 0.5}\n{"step": 2, "reward/mean": 0.6}\n'
