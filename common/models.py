@@ -220,6 +220,19 @@ class AdaptersOff(torch.nn.Module):
         with self.policy.disable_adapter():
             return self.policy(**inputs)
 
+    @property
+    def config(self):
+        return self.policy.config
+
+    def get_output_embeddings(self):
+        """The output layer with the adapters off too (common/ops.py output_layer applies it outside forward)."""
+        head = self.policy.get_output_embeddings()
+
+        def without_adapters(hidden):
+            with self.policy.disable_adapter():
+                return head(hidden)
+        return without_adapters
+
 
 def load_reference(name_or_path: str, tokenizer, dtype: str, device: str, policy) -> torch.nn.Module:
     """pi_ref, frozen: the policy with its adapters off under LoRA, else the initial model

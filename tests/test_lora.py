@@ -112,3 +112,25 @@ def test_target_modules_that_match_nothing_are_one_line_before_anything_heavy():
                                           r"base model.* linear layers: .*q_proj"):
         prepare(args, grpo.check)
     prepare(parse_args(grpo.Args, ["--model", TINY_MODEL, "--lora-rank", "4"]), grpo.check)  # the defaults match
+
+
+def test_the_reference_is_the_base_model_also_through_an_adapted_output_layer(tokenizer):
+    """forward_logprobs applies the output layer itself (a chunk of positions at a time): the reference of
+    a LoRA run (AdaptersOff) must give the base model's log-probs there too, with lm_head adapted as well."""
+    from common.ops import forward_logprobs
+
+    torch.manual_seed(0)
+    policy = load_policy(TINY_MODEL, tokenizer, "float32", "cpu", lora_rank=4, lora_alpha=8.0,
+                         lora_target_modules=(*TARGETS, "lm_head"))
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    reference, base = load_reference(TINY_MODEL, tokenizer, "float32", "cpu", policy), load_policy(
+        TINY_MODEL, tokenizer, "float32", "cpu")
+    ids = torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        ref, want, adapted = (forward_logprobs(m, ids, mask, 6) for m in (reference, base, policy))
+    assert torch.allclose(ref, want, atol=1e-5)
+    assert (adapted - want).abs().max() > 1e-2  # the adapters do change the policy
