@@ -222,6 +222,8 @@ class Run:
         episodes: a multi-turn script's rollout, which they use (common/engine.py evaluate)."""
         self.llm, self.tokenizer, self.task, self.episodes = llm, tokenizer, task, episodes
         a = self.args
+        if getattr(a, "engine_choice", None):  # --engine auto: which one, and why (common/setup.py choose_engine)
+            print(a.engine_choice)
         print(f"{a.exp_name}: {a.model} on {a.task} ({self.launch['device']}, {a.engine} rollouts), {a.steps} "
               f"steps of {a.prompts_per_step} prompts x {a.completions_per_prompt} completions -> {self.dir}")
         self.eval_metrics = self.evaluate()

@@ -21,7 +21,7 @@ def prepare(args, check, min_completions: int = 2):
     (common/args.py check_args), then the algorithm's own (check(args)). min_completions: the
     smallest group the algorithm's advantage can use. --device and --engine auto become the ones that
     run (args.json records them: `choose_engine`)."""
-    choose_engine(args)
+    args.engine_choice = choose_engine(args)  # said first by common/run.py Run.start, once every check has passed
     config = check_model(args.model)
     if args.lora_rank:
         check_lora_targets(config, args.lora_target_modules)
@@ -35,18 +35,19 @@ def prepare(args, check, min_completions: int = 2):
     return task, reward_fn, tokenizer, max_prompt_len
 
 
-def choose_engine(args) -> None:
+def choose_engine(args) -> str | None:
     """args.device and args.engine made concrete, in place: --device auto as common/dist.py pick_device
     finds it; --engine auto is vLLM where it is installed, else the transformers engine (the policy
-    samples itself), always on an Apple GPU (mps: vLLM has no build for it). Said in one line."""
+    samples itself), always on an Apple GPU (mps: vLLM has no build for it). Returns the line that
+    says which, for --engine auto (None for an engine asked for by name)."""
     args.device = dist.pick_device(args.device)
     if args.engine == "auto":
         installed = vllm_installed()
         args.engine = "vllm" if installed and args.device != "mps" else "transformers"
         why = ("vLLM is installed" if args.engine == "vllm" else "vLLM has no build for mps" if installed
                else "vLLM is not installed here: the policy samples itself")
-        if dist.is_main():
-            print(f"--engine auto: {args.engine} ({why}), --device {args.device}")
+        return f"--engine auto: {args.engine} ({why}), --device {args.device}"
+    return None
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,7 @@ def test_lora_and_gradient_checkpointing_policies_sample_and_stay_in_training(to
 def test_the_vllm_engine_without_vllm_is_one_line(monkeypatch):
     import importlib.util
 
-    args = load_script("grpo.py").Args()
+    args = load_script("grpo.py").Args(engine="vllm")  # asked for explicitly (auto would take transformers)
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
     with pytest.raises(ConfigError, match="--engine transformers"):
