@@ -95,13 +95,18 @@ def update(policy, critic, optimizer, case: str, input_ids, attention_mask, comp
 def record_weight_dtypes(model, seen: collections.Counter) -> None:
     """Counts in seen the linear layers' calls by the dtype of the weight they ran with (under FSDP2
     the gathered weight; autocast casts a copy inside the layer, not the weight), and under
-    "recomputed" the calls in a backward pass: gradient checkpointing's."""
+    "recomputed" the calls of a decoder layer in a backward pass: gradient checkpointing's (the output
+    layer's calls in a backward are common/ops.py forward_logprobs' own chunks, recomputed always)."""
     def hook(module, _):
         seen.update([str(module.weight.dtype)] + (["recomputed"] if torch._C._current_graph_task_id() >= 0 else []))
 
+    def head_hook(module, _):
+        seen.update([str(module.weight.dtype)])
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            module.register_forward_pre_hook(hook)
+            module.register_forward_pre_hook(head_hook if module is head else hook)
 
 
 def main(out: str, precision: str = "fp32", gradient_checkpointing: bool = False, cases=CASES) -> None:
