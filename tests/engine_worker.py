@@ -30,6 +30,7 @@ from common.models import encode_prompts, load_policy, load_tokenizer  # noqa: E
 from common.run import seed_everything  # noqa: E402
 from common.tasks import make_sort_task, sort_partial_reward  # noqa: E402
 from tests.conftest import TINY_MODEL  # noqa: E402
+from tests.dist_worker import FP32  # noqa: E402
 
 CASES = {"unequal budgets": ([("sort 4410236:", 12), ("sort 907:", 3), ("sort 61:", 3)], 1),
          "a rank without requests": ([("sort 52813:", 12), ("sort 4410236:", 5)], 2)}
@@ -59,7 +60,7 @@ def same_prompt(tokenizer) -> dict:
 
 
 def transformers_engine(tokenizer, device) -> dict:
-    policy = dist.shard(load_policy(TINY_MODEL, tokenizer, "float32", device))
+    policy = dist.shard(load_policy(TINY_MODEL, tokenizer, "float32", device), FP32)
     llm = create_engine(TINY_MODEL, seed=0, max_model_len=64, engine="transformers")
     sync_weights(llm, policy)
     results = {}
