@@ -1,11 +1,13 @@
 """The math the scripts call: per-token log-probs of completions (and their entropy), the
-truncated importance weights for vLLM's own numerics, KL estimates as a reward penalty, and
+rollout correction for vLLM's own numerics, KL estimates as a reward penalty and as a loss term, and
 masked aggregation of per-token losses. The batch layout they read is common/batch.py's.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -116,12 +118,90 @@ def batched_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     return out
 
 
-def truncated_is_weights(old_logprobs: torch.Tensor, vllm_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
-    """w_t = min(pi_old(y_t) / pi_vllm(y_t), cap): vLLM sampled each token from its own numerics,
-    not exactly from pi_old, and truncated importance sampling corrects the policy gradient for
-    it (the cap bounds the variance). cap 0: off, every weight 1."""
-    ratio = torch.exp(old_logprobs - vllm_logprobs)
-    return ratio.clamp(max=cap) if cap else torch.ones_like(ratio)
+# --rollout-correction's modes; each one's thresholds by default, the peer's (DESIGN.md section 8)
+ROLLOUT_CORRECTIONS = ("off", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask", "geometric-mask")
+CORRECTION_DEFAULTS = {"token-truncate": {"cap": 2.0}, "sequence-truncate": {"cap": 2.0},
+                       "token-mask": {"low": 0.5, "high": 5.0}, "sequence-mask": {"low": 0.5, "high": 2.0},
+                       "geometric-mask": {"low": 0.99, "high": 1.01}}
+MAX_LOG_RATIO = 20.0  # every log-ratio is clamped to +-20 before exp (verl's): finite however long the sequence
+
+
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """--rollout-correction made concrete: the mode and the thresholds it uses (None: one it does not use)."""
+    mode: str = "off"
+    cap: float | None = None   # C of the truncate modes
+    low: float | None = None   # C_low of the mask modes
+    high: float | None = None  # C_high of the mask modes
+
+    @classmethod
+    def of(cls, mode: str, cap: float | None = None, low: float | None = None,
+           high: float | None = None) -> RolloutCorrection:
+        """The mode with its thresholds, a None one the mode's default (CORRECTION_DEFAULTS)."""
+        given = {"cap": cap, "low": low, "high": high}
+        defaults = CORRECTION_DEFAULTS.get(mode, {})
+        return cls(mode, **{k: default if given[k] is None else given[k] for k, default in defaults.items()})
+
+
+class CorrectionTerms(NamedTuple):
+    weights: torch.Tensor     # [B, C] w, detached; 1 outside the mask
+    rho: torch.Tensor         # [B, C] rho_t (its log-ratio clamped), 1 outside the mask
+    seq_rho: torch.Tensor     # [B] rho_i = prod_t rho_t (its log clamped)
+    truncated: torch.Tensor   # [B, C] bool: tokens whose weight was capped below their ratio
+    masked: torch.Tensor      # [B, C] bool: tokens left out (weight 0)
+
+
+@torch.no_grad()
+def rollout_correction(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor,
+                       correction: RolloutCorrection) -> torch.Tensor:
+    """The weights [B, C] on each token's policy gradient that correct for the engine (vLLM) sampling
+    from its own numerics, not exactly from pi_old. With rho_t = pi_old(y_t) / pi_engine(y_t) and a
+    sequence's rho_i = prod_t rho_t over its sampled tokens (mask):
+
+        off                w = 1
+        token-truncate     w_t = min(rho_t, C)                             TIS (Yao et al. 2025); C 2
+        token-mask         w_t = rho_t * 1[C_low <= rho_t <= C_high]       IcePop (OpenRLHF icepop); [0.5, 5]
+        sequence-truncate  w_i = min(rho_i, C)                             verl rollout_is sequence; C 2
+        sequence-mask      w_i = rho_i * 1[C_low <= rho_i <= C_high]       MIS (verl Seq-MIS); [0.5, 2]
+        geometric-mask     w_i = 1[C_low <= exp(mean_t log rho_t) <= C_high]   verl Geo-RS, SkyRL; [0.99, 1.01]
+
+    A sequence's weight is broadcast to its tokens. Each log rho_t and each sum of them is clamped to
+    +-20 before exp, so one bad token (rho 0, or a product that would overflow) gives a finite weight.
+    The weights are detached, and 1 outside mask (so a geometric mean of them, gspo.py, takes no log(0)
+    there). A masked token (weight 0) leaves the loss but keeps its place in the loss's normalizer
+    (the aggregate's count is untouched), as the peers do."""
+    return rollout_correction_terms(old_logprobs, engine_logprobs, mask, correction).weights
+
+
+@torch.no_grad()
+def rollout_correction_terms(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor,
+                             correction: RolloutCorrection) -> CorrectionTerms:
+    """rollout_correction's weights with the ratios and the decisions behind them (for the metrics)."""
+    mask = mask.bool()
+    log_rho = (old_logprobs - engine_logprobs).float().clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).masked_fill(~mask, 0.0)
+    seq_log_rho = log_rho.sum(-1, keepdim=True)
+    rho, seq_rho = log_rho.exp(), seq_log_rho.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
+    mode, cap, low, high = correction.mode, correction.cap, correction.low, correction.high
+    nothing = torch.zeros_like(mask)
+    if mode == "off":
+        weights, truncated, masked = torch.ones_like(rho), nothing, nothing
+    elif mode == "token-truncate":
+        weights, truncated, masked = rho.clamp(max=cap), rho > cap, nothing
+    elif mode == "token-mask":
+        keep = (low <= rho) & (rho <= high)
+        weights, truncated, masked = rho * keep, nothing, ~keep
+    elif mode == "sequence-truncate":
+        weights, truncated, masked = seq_rho.clamp(max=cap).expand_as(rho), (seq_rho > cap).expand_as(mask), nothing
+    elif mode == "sequence-mask":
+        keep = ((low <= seq_rho) & (seq_rho <= high)).expand_as(mask)
+        weights, truncated, masked = seq_rho * keep, nothing, ~keep
+    elif mode == "geometric-mask":
+        geo_mean = torch.exp(seq_log_rho / mask.sum(-1, keepdim=True).clamp(min=1))
+        keep = ((low <= geo_mean) & (geo_mean <= high)).expand_as(mask)
+        weights, truncated, masked = keep.to(rho.dtype), nothing, ~keep
+    else:
+        raise ValueError(f"unknown rollout correction {mode!r}; choose one of {', '.join(ROLLOUT_CORRECTIONS)}")
+    return CorrectionTerms(torch.where(mask, weights, 1.0), rho, seq_rho.squeeze(-1), truncated & mask, masked & mask)
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str,
@@ -171,3 +251,27 @@ def kl_penalty(old_logprobs, ref_logprobs, estimator: str):
     if estimator == "k2":
         return 0.5 * log_ratio ** 2
     return torch.exp(-log_ratio) + log_ratio - 1  # k3
+
+
+KL_LOSS_ESTIMATORS = ("k3", "k2-is")
+
+
+def kl_loss(logprobs, old_logprobs, ref_logprobs, estimator: str):
+    """Per-token KL term of a loss (--kl-estimator) at tokens sampled from pi_old; logprobs carry the gradient.
+
+    k3 = exp(ref_t - logp_t) - (ref_t - logp_t) - 1: an unbiased estimate of KL(pi || pi_ref) at samples
+    of pi (the GRPO paper's), but its gradient is not grad KL: E_pi[grad k3] = E_pi[(1 - pi_ref/pi) grad log pi]
+    = -E_pi_ref[grad log pi], the gradient of KL(pi_ref || pi).
+
+    k2-is = sg(r_t) * (logp_t - ref_t)^2 / 2, r_t = pi / pi_old (sg: no gradient through it), whose
+    gradient is unbiased for grad KL(pi || pi_ref) at samples of pi_old:
+        grad KL = E_pi[(log pi - log pi_ref + 1) grad log pi]
+                = E_pi[(log pi - log pi_ref) grad log pi]              (E_pi[grad log pi] = 0)
+                = E_pi_old[r_t (log pi - log pi_ref) grad log pi],
+    which is E_pi_old[grad k2-is] term by term (OpenRLHF's opt-in sg(ratio) estimators are of this kind)."""
+    if estimator == "k3":
+        log_ref_ratio = ref_logprobs - logprobs
+        return torch.exp(log_ref_ratio) - log_ref_ratio - 1
+    if estimator == "k2-is":
+        return torch.exp(logprobs - old_logprobs).detach() * 0.5 * (logprobs - ref_logprobs) ** 2
+    raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {', '.join(KL_LOSS_ESTIMATORS)}")

@@ -18,7 +18,7 @@ SMALL = ["--prompts-per-step", "4", "--completions-per-prompt", "4", "--num-mini
 STEP_METRICS = ["reward/mean", "reward/std", "response/length_mean", "kl/ref", "loss/total", "policy/clip_frac",
                 "policy/entropy", "optim/grad_norm", "optim/lr", "time/rollout", "time/train", "time/sync",
                 "throughput/tokens_per_s", "rollout/logprob_mismatch", "rollout/is_weight_mean",
-                "rollout/is_capped_frac", "memory/peak_gib", "memory/engine_gib"]
+                "rollout/is_ratio_min", "rollout/is_truncated_frac", "rollout/is_seq_masked_frac", "memory/peak_gib", "memory/engine_gib"]
 
 
 def run_script(script: str, *flags: str, timeout: int = 600) -> subprocess.CompletedProcess:
