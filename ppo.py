@@ -89,6 +89,11 @@ class Args:
     max_new_tokens: int = 12
     temperature: float = 1.0
     """sampling temperature; log-probs are computed from logits / temperature to match"""
+    top_p: float = 1.0
+    """nucleus sampling: the most likely tokens up to this total probability (1: off); the trainer's log-probs are
+    those of the same truncated distribution, renormalized (common/ops.py top_k_top_p_mask)"""
+    top_k: int = 0
+    """sampling among the k most likely tokens only (0: off); before --top-p, as vLLM truncates (and the trainer)"""
     chat_template: bool = True
     """wrap prompts in the tokenizer's chat template when it has one (--no-chat-template: raw text)"""
     system_prompt: str | None = None
@@ -340,7 +345,7 @@ def update(policy, critic, optimizer, scheduler, args: Args, precision, minibatc
             for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
                 with precision.autocast(device):
                     logprobs, entropy = forward_logprobs(policy, input_ids[micro, cols], attention_mask[micro, cols],
-                                                         c, args.temperature, with_entropy=True)
+                                                         c, args.temperature, args.top_p, args.top_k, with_entropy=True)
                     values = forward_values(critic, input_ids[micro, cols], attention_mask[micro, cols], c)
                 # vLLM sampled from its own numerics, not exactly pi_old: --rollout-correction's weights
                 vllm_is_weights = rollout_correction(old_logprobs[micro, :c], vllm_logprobs[micro, :c],
@@ -426,11 +431,13 @@ def main(args: Args) -> None:
             # log-prob by 1e-3..1e-2, GSPO's whole clip range)
             minibatches = draw_minibatches(input_ids.shape[0], args.num_epochs, args.num_minibatches, device)
             old_logprobs = batched_logprobs(policy, input_ids, attention_mask, C, args.temperature,
-                                            args.micro_batch_size, precision.autocast_dtype, minibatches[0])
+                                            args.micro_batch_size, precision.autocast_dtype, minibatches[0],
+                                            top_p=args.top_p, top_k=args.top_k)
             ref_logprobs = None
             if ref_model is not None:
                 ref_logprobs = batched_logprobs(ref_model, input_ids, attention_mask, C, args.temperature,
-                                                args.micro_batch_size, precision.autocast_dtype, minibatches[0])
+                                                args.micro_batch_size, precision.autocast_dtype, minibatches[0],
+                                                top_p=args.top_p, top_k=args.top_k)
             old_values = torch.zeros_like(old_logprobs)
             with torch.no_grad(), precision.autocast(device):
                 for mb in minibatches[0]:  # the update's first micro-batches, as for the log-probs

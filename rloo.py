@@ -79,6 +79,11 @@ class Args:
     max_new_tokens: int = 12
     temperature: float = 1.0
     """sampling temperature; log-probs are computed from logits / temperature to match"""
+    top_p: float = 1.0
+    """nucleus sampling: the most likely tokens up to this total probability (1: off); the trainer's log-probs are
+    those of the same truncated distribution, renormalized (common/ops.py top_k_top_p_mask)"""
+    top_k: int = 0
+    """sampling among the k most likely tokens only (0: off); before --top-p, as vLLM truncates (and the trainer)"""
     chat_template: bool = True
     """wrap prompts in the tokenizer's chat template when it has one (--no-chat-template: raw text)"""
     system_prompt: str | None = None
@@ -215,7 +220,7 @@ def update(policy, optimizer, scheduler, args: Args, precision, minibatches, inp
             for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
                 with precision.autocast(device):
                     logprobs, entropy = forward_logprobs(policy, input_ids[micro, cols], attention_mask[micro, cols],
-                                                         c, args.temperature, with_entropy=True)
+                                                         c, args.temperature, args.top_p, args.top_k, with_entropy=True)
                 if reuse_forward:
                     old_logprobs[micro, :c] = logprobs.detach()
                 # vLLM sampled from its own numerics, not exactly pi_old: --rollout-correction's weights
@@ -291,11 +296,12 @@ def main(args: Args) -> None:
             reuse_forward = ref_model is None
             old_logprobs = None if reuse_forward else batched_logprobs(
                 policy, input_ids, attention_mask, C, args.temperature, args.micro_batch_size,
-                precision.autocast_dtype, minibatches[0])
+                precision.autocast_dtype, minibatches[0], top_p=args.top_p, top_k=args.top_k)
             ref_logprobs = None
             if ref_model is not None:
                 ref_logprobs = batched_logprobs(ref_model, input_ids, attention_mask, C, args.temperature,
-                                                args.micro_batch_size, precision.autocast_dtype, minibatches[0])
+                                                args.micro_batch_size, precision.autocast_dtype, minibatches[0],
+                                                top_p=args.top_p, top_k=args.top_k)
             vllm_logprobs = sampled_logprobs(completions, C, device)  # vLLM's own, for the mismatch
 
         # ---------------------------------------------------------------- 4. advantage

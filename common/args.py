@@ -107,6 +107,8 @@ def check_args(args, max_context: int, max_prompt_len: int, min_completions: int
          f"--max-new-tokens {args.max_new_tokens} plus the longest prompt ({max_prompt_len} tokens) "
          f"exceeds the model's context of {max_context} tokens")
     need(args.temperature > 0, f"--temperature must be positive, got {args.temperature}")
+    need(0 < args.top_p <= 1, f"--top-p must be in (0, 1] (1: off), got {args.top_p}")
+    need(args.top_k >= 0, f"--top-k must be >= 0 (0: off), got {args.top_k}")
     need(args.micro_batch_size > 0, f"--micro-batch-size must be positive, got {args.micro_batch_size}")
     need(args.max_grad_norm > 0, f"--max-grad-norm must be positive, got {args.max_grad_norm}")
     need(args.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {args.warmup_steps}")

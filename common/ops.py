@@ -1,6 +1,7 @@
-"""The math the scripts call: per-token log-probs of completions (and their entropy), the
-rollout correction for vLLM's own numerics, KL estimates as a reward penalty and as a loss term, and
-masked aggregation of per-token losses. The batch layout they read is common/batch.py's.
+"""The math the scripts call: per-token log-probs of completions (and their entropy), under the
+sampler's top-k / top-p truncation when it has one, the rollout correction for vLLM's own numerics,
+KL estimates as a reward penalty and as a loss term, and masked aggregation of per-token losses.
+The batch layout they read is common/batch.py's.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ LOGITS_CHUNK = 2**26
 
 
 def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     num_completion_tokens: int, temperature: float = 1.0,
+                     num_completion_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                      with_entropy: bool = False):
     """log pi(y_t | x, y_<t) for the last `num_completion_tokens` columns of each row.
 
@@ -38,6 +39,10 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     mismatch otherwise). Returns [B, C] log-probs, 0 on completion padding (and [B, C]
     entropies, detached, if asked).
 
+    top_p < 1 or top_k > 0: the policy that generated the data is vLLM's truncated sampler, softmax over
+    the tokens top_k_top_p_mask keeps of logits / T (renormalized there), and the log-probs and entropies
+    are those of that distribution (see chunk_logprobs). The defaults (1.0, 0) run no truncation code.
+
     Memory: the logits are computed LOGITS_CHUNK at a time from the model's last hidden
     states, each chunk checkpointed, so neither pass holds more than a chunk of them."""
     C = num_completion_tokens
@@ -45,7 +50,7 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     hidden, (last_hidden, last_logits) = completion_hidden_states(model, input_ids, attention_mask, C)
     layer = output_layer(model)
     check_output_layer(model, layer, last_hidden, last_logits)
-    score = functools.partial(chunk_logprobs, layer, temperature, with_entropy)
+    score = functools.partial(chunk_logprobs, layer, temperature, with_entropy, top_p, top_k)
     step = max(1, LOGITS_CHUNK // last_logits.shape[-1])
     chunks = [checkpoint(score, h, y, use_reentrant=False, preserve_rng_state=False) if torch.is_grad_enabled()
               else score(h, y) for h, y in zip(hidden.split(step), input_ids[:, -C:][real].split(step))]
@@ -56,18 +61,56 @@ def forward_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     return logprobs, torch.zeros_like(logprobs).masked_scatter(real, torch.cat([c[1] for c in chunks]))
 
 
-def chunk_logprobs(layer, temperature: float, with_entropy: bool, hidden: torch.Tensor, tokens: torch.Tensor):
+def chunk_logprobs(layer, temperature: float, with_entropy: bool, top_p: float, top_k: int, hidden: torch.Tensor,
+                   tokens: torch.Tensor):
     """forward_logprobs of one chunk of positions: hidden [n, d], their tokens [n]; (log-probs [n], entropies
     [n] (detached) or None)."""
     logits = layer(hidden).float()
     if temperature != 1.0:
         logits = logits.div_(temperature)  # in place: the layer's output is not needed again
+    truncated = top_p < 1.0 or top_k > 0
+    if truncated:  # the sampler's distribution: its kept tokens renormalized (of logits / T, as vLLM truncates)
+        kept = top_k_top_p_mask(logits, top_k, top_p)  # its sort holds ~4 more chunk-sized tensors, for a moment
+        # a sampled token the truncation drops here (its logit on the boundary, within the engine's numerics
+        # of ours) stays in the normalizer: a finite log-prob, never -inf or NaN
+        kept[torch.arange(len(tokens), device=tokens.device), tokens] = True
+        logits = logits.masked_fill(~kept, float("-inf"))
     log_z = torch.logsumexp(logits, dim=-1)
     logprobs = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_z
     if not with_entropy:
         return logprobs, None
     with torch.no_grad():  # H = log Z - sum_v p_v * logit_v; after the log-probs: a recomputation stops before it
-        return logprobs, log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        probs = torch.softmax(logits, dim=-1)
+        if truncated:  # a dropped token adds p_v * logit_v = 0 (0 * -inf would be NaN)
+            logits = logits.masked_fill(~kept, 0.0)
+        return logprobs, log_z - (probs * logits).sum(-1)
+
+
+@torch.no_grad()
+def top_k_top_p_mask(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The tokens vLLM's sampler keeps of logits [n, V] (already / T): [n, V] bool. vLLM 0.32's rule
+    (vllm/v1/sample/ops/topk_topp_sampler.py apply_top_k_top_p), step for step, for one exact set:
+
+    top-k (0 < top_k < V; 0: off): the tokens whose logit is at least the k-th largest (ties with it are
+        all kept: more than k tokens then);
+    top-p (top_p < 1): then, of the top-k distribution sorted ascending, the tokens whose cumulative
+        probability (float32, from the smallest) exceeds 1 - top_p, the most likely token always. Of
+        tied logits across that boundary, one stays and the other goes, by torch's (unstable) sort order:
+        the same call as vLLM's, on the same values.
+
+    The sampler samples from softmax over the kept tokens (the TransformersEngine's too), and vLLM's
+    processed log-probs are that distribution's."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    V = logits.shape[-1]
+    if 0 < top_k < V:
+        sorted_logits.masked_fill_(sorted_logits < sorted_logits[:, V - top_k, None], float("-inf"))
+    if top_p < 1.0:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)
+        # 1 - p in float32, as vLLM computes it from its float32 tensor of p (a Python 1 - p rounds otherwise)
+        dropped = cumulative <= 1 - torch.tensor(top_p, dtype=torch.float32, device=logits.device)
+        dropped[:, -1] = False  # the most likely token
+        sorted_logits.masked_fill_(dropped, float("-inf"))
+    return torch.empty_like(logits, dtype=torch.bool).scatter_(-1, order, sorted_logits > float("-inf"))
 
 
 def output_layer(model):
@@ -99,9 +142,11 @@ def check_output_layer(model, layer, hidden: torch.Tensor, logits: torch.Tensor)
 @torch.no_grad()
 def batched_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                      num_completion_tokens: int, temperature: float, micro_batch_size: int,
-                     autocast_dtype: torch.dtype | None = None, minibatches=None) -> torch.Tensor:
+                     autocast_dtype: torch.dtype | None = None, minibatches=None, top_p: float = 1.0,
+                     top_k: int = 0) -> torch.Tensor:
     """forward_logprobs without gradients, one micro-batch (see micro_batches) of each of minibatches
-    (row indices; None: all rows, one minibatch) at a time; [B, C], 0 on completion padding.
+    (row indices; None: all rows, one minibatch) at a time; [B, C], 0 on completion padding. top_p, top_k:
+    the sampler's truncation (see forward_logprobs).
 
     Pass the update's minibatches (its first epoch's, common/batch.py draw_minibatches): a micro-batch's
     log-probs depend on the rows it runs with (padding, packing), by 1e-3..1e-2 in bf16, so only the same
@@ -114,7 +159,7 @@ def batched_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
                                                micro_batch_size):
             with torch.autocast(input_ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 out[micro, :c] = forward_logprobs(model, input_ids[micro, columns], attention_mask[micro, columns],
-                                                  c, temperature)
+                                                  c, temperature, top_p, top_k)
     return out
 
 

@@ -53,7 +53,8 @@ def same_prompt(tokenizer) -> dict:
     seed = 0
     llm = create_engine(TINY_MODEL, seed=seed + dist.rank(), max_model_len=64, sleep_mode=False)  # engine_options'
     seed_everything(seed, dist.rank())  # the scripts' line, after the engine
-    args = type("Args", (), {"engine": "vllm", "completions_per_prompt": 8, "temperature": 1.0, "max_new_tokens": 12})
+    args = type("Args", (), {"engine": "vllm", "completions_per_prompt": 8, "temperature": 1.0, "top_p": 1.0,
+                                   "top_k": 0, "max_new_tokens": 12})
     ids = encode_prompts(tokenizer, ["sort 52813:"], True, None)
     outputs = llm.generate([{"prompt_token_ids": ids[0]}], sampling_params(args, tokenizer), use_tqdm=False)
     return {"completions": dist.all_gather_objects([[c.token_ids for c in outputs[0].outputs]])}

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from common.batch import make_batch
-from common.ops import aggregate, batched_logprobs, forward_logprobs
+from common.batch import completion_hidden_states, make_batch
+from common.ops import aggregate, batched_logprobs, forward_logprobs, output_layer, top_k_top_p_mask
 
 
 def reference_logprobs(model, ids: list[int], num_completion: int, temperature: float) -> torch.Tensor:
@@ -58,6 +58,109 @@ def test_entropy_in_slices_and_gradient_through_the_in_place_temperature(tiny_po
     torch.testing.assert_close(logprobs[0], expected_logprobs.detach(), atol=1e-5, rtol=1e-5)
     grad = torch.autograd.grad(logprobs.sum(), tiny_policy.lm_head.weight)[0]
     torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-4)
+
+
+def kept(logits: list[float], top_k: int = 0, top_p: float = 1.0) -> list[int]:
+    """The token ids top_k_top_p_mask keeps of one row of logits."""
+    return top_k_top_p_mask(torch.tensor([logits]), top_k, top_p)[0].nonzero().flatten().tolist()
+
+
+def test_top_k_top_p_mask_hand_computed():
+    """vLLM's rule: top-k keeps every logit tied with the k-th largest; top-p runs after top-k, on its
+    renormalized distribution, and keeps the most likely token always."""
+    assert kept([3.0, 2.0, 2.0, 1.0, 0.0], top_k=2) == [0, 1, 2]  # 2 tied with the 2nd largest: both stay
+    assert kept([0.0, 1.0, 2.0], top_k=1) == [2]
+    assert kept([0.0, 1.0, 2.0], top_k=3) == kept([0.0, 1.0, 2.0]) == [0, 1, 2]  # k >= V: off
+    probs = [0.5, 0.2, 0.15, 0.1, 0.05]
+    logits = torch.tensor(probs).log().tolist()
+    # top-p 0.6 alone: ascending cumulative 0.05, 0.15, 0.30 <= 0.4 dropped, 0.50 kept
+    assert kept(logits, top_p=0.6) == [0, 1]
+    # top-k 2 first: 0.5 / 0.7 and 0.2 / 0.7 = 0.286 <= 0.4, dropped (top-p first, then top-k, would keep 2)
+    assert kept(logits, top_k=2, top_p=0.6) == [0]
+    assert kept(logits, top_k=3, top_p=0.6) == [0, 1]  # 0.15 / 0.85 = 0.18 <= 0.4 < 0.41
+    assert kept(logits, top_p=0.01) == [0]  # the most likely token stays whatever p
+    assert kept([0.0, 0.0], top_p=0.01) in ([0], [1])  # of two tied, one
+    # ties under top-p: e / (2e + 1) = 0.42 each and 0.16; at p 0.5 both tied stay, at p 0.3 one of them
+    assert kept([1.0, 1.0, 0.0], top_p=0.5) == [0, 1]
+    assert kept([1.0, 1.0, 0.0], top_p=0.3) in ([0], [1])
+
+
+def test_top_k_top_p_mask_is_vllms():
+    """The same kept set as vLLM's own apply_top_k_top_p on random rows (rounded: many ties), for
+    top-k, top-p and both."""
+    sampler = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler", reason="needs vLLM")
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        V = int(torch.randint(2, 200, (), generator=g))
+        logits = torch.randn(5, V, generator=g) * 4
+        logits = logits.round() if trial % 2 else logits
+        k, p = [(7, 1.0), (0, 0.8), (20, 0.9), (1, 0.5), (V - 1, 0.95)][trial % 5]
+        k = min(k, V)
+        ours = top_k_top_p_mask(logits, k, p)
+        theirs = sampler.apply_top_k_top_p(logits.clone(), torch.full((5,), k if 0 < k < V else V, dtype=torch.int32)
+                                           if 0 < k < V else None, torch.full((5,), p) if p < 1 else None)
+        assert torch.equal(ours, theirs > float("-inf")), (trial, k, p)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (0, 0.8), (3, 0.8)])
+def test_truncated_logprobs_entropy_and_gradient_are_the_renormalized_distributions(tiny_policy, tokenizer,
+                                                                                   top_k, top_p):
+    """With --top-k / --top-p the log-probs are log_softmax over the kept tokens of logits / T, their
+    entropy that distribution's, the gradient that of the renormalized log-prob; a token the truncation
+    drops keeps its place in the normalizer (finite, below its full-softmax log-prob's share)."""
+    ids = tokenizer("sort 52813:12358")["input_ids"]
+    input_ids, attention_mask, _ = make_batch([ids[:11]], [ids[11:]], tokenizer.pad_token_id, "cpu")
+    T, C = 2.0, len(ids) - 11  # hot enough that the truncation drops some mass
+    tokens = torch.tensor(ids[11:])
+    logits = tiny_policy(torch.tensor([ids])).logits[0, 10:-1].float() / T
+    keep = top_k_top_p_mask(logits.detach(), top_k, top_p)
+    assert (keep.sum(-1) < logits.shape[-1]).all()
+    keep[torch.arange(C), tokens] = True
+    log_z = torch.stack([row[k].logsumexp(-1) for row, k in zip(logits, keep)])  # over the kept set, by hand
+    expected_logprobs = logits.gather(-1, tokens[:, None])[:, 0] - log_z
+    p = [torch.softmax(row[k], -1) for row, k in zip(logits.detach(), keep)]
+    expected_entropy = torch.stack([-(q * q.log()).sum() for q in p])
+    expected_grad = torch.autograd.grad(expected_logprobs.sum(), tiny_policy.lm_head.weight)[0]
+
+    logprobs, entropy = forward_logprobs(tiny_policy, input_ids, attention_mask, C, T, top_p, top_k, with_entropy=True)
+    torch.testing.assert_close(logprobs[0], expected_logprobs.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy[0], expected_entropy, atol=1e-5, rtol=1e-5)
+    grad = torch.autograd.grad(logprobs.sum(), tiny_policy.lm_head.weight)[0]
+    torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-4)
+    full = forward_logprobs(tiny_policy, input_ids, attention_mask, C, T).detach()
+    assert (logprobs[0] >= full[0] - 1e-6).all() and (logprobs[0] > full[0] + 1e-3).any()  # renormalized
+
+    dropped = (~top_k_top_p_mask(logits.detach(), top_k, top_p)[0]).nonzero()[0, 0]  # a token outside the set
+    other = torch.cat([input_ids[:, :-C], dropped.view(1, 1), input_ids[:, -C + 1:]], dim=1)
+    lp, ent = forward_logprobs(tiny_policy, other, attention_mask, C, T, top_p, top_k, with_entropy=True)
+    row = logits[0].detach()
+    in_set = top_k_top_p_mask(row[None], top_k, top_p)[0]
+    in_set[dropped] = True
+    assert lp[0, 0].item() == pytest.approx(float(row[dropped] - row[in_set].logsumexp(-1)), abs=1e-5)
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
+
+
+def test_the_default_sampler_runs_no_truncation_and_gives_the_same_bits(tiny_policy, tokenizer, monkeypatch):
+    """top-p 1 and top-k 0 (the defaults) never reach the truncation, and give bit for bit the log-probs
+    and entropies of the plain log-softmax of logits / T, chunk by chunk as before."""
+    import common.ops
+
+    def never(*a):
+        raise AssertionError("the truncation ran at the default sampler")
+
+    ids = tokenizer("sort 52813:12358")["input_ids"]
+    input_ids, attention_mask, _ = make_batch([ids[:11]], [ids[11:]], tokenizer.pad_token_id, "cpu")
+    C, T = len(ids) - 11, 0.7
+    with torch.no_grad():
+        hidden, _ = completion_hidden_states(tiny_policy, input_ids, attention_mask, C)
+        logits = output_layer(tiny_policy)(hidden).float().div_(T)
+        log_z = torch.logsumexp(logits, dim=-1)
+        before = logits.gather(-1, input_ids[0, -C:, None]).squeeze(-1) - log_z
+        before_entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        monkeypatch.setattr(common.ops, "top_k_top_p_mask", never)
+        logprobs, entropy = forward_logprobs(tiny_policy, input_ids, attention_mask, C, T, with_entropy=True)
+        assert torch.equal(logprobs[0], before) and torch.equal(entropy[0], before_entropy)
+        assert torch.equal(batched_logprobs(tiny_policy, input_ids, attention_mask, C, T, 4), logprobs)
 
 
 def large_vocab_model(architecture: str, vocab_size: int = 50_000):
