@@ -206,8 +206,8 @@ def test_no_source_of_the_cpu_build_is_one_line_naming_the_wheel_and_the_index(t
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stderr.count("\n") == 1, done.stderr
     log = re.fullmatch(r"setup\.sh: no source pip can reach offers torch==2\.13\.0\+cpu \(PyTorch's CPU build, on "
-                       + re.escape(torch_index.as_uri()) + r"; set TORCH_CPU_INDEX to a mirror\): pip's output in (\S+)\n",
-                       done.stderr)
+                       + re.escape(torch_index.as_uri())
+                       + r"; set TORCH_CPU_INDEX to a mirror\): pip's output in (\S+)\n", done.stderr)
     assert log, done.stderr
     assert "torch==2.13.0+cpu" in open(log.group(1)).read()
     os.remove(log.group(1))
