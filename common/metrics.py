@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import resource
+import sys
 import time
 
 import torch
@@ -11,6 +11,11 @@ import torch
 from common import dist
 from common.ops import RolloutCorrection, masked_mean, rollout_correction_terms
 from common.rewards import TIMEOUTS
+
+try:
+    import resource  # Unix only
+except ImportError:  # Windows
+    resource = None
 
 
 @contextlib.contextmanager
@@ -25,13 +30,23 @@ def memory_metrics(llm) -> dict:
     """memory/engine_gib: what the vLLM engine took when it started (weights and KV cache; on
     CPU the process memory it added). memory/peak_gib: the trainer's peak since the previous
     call, i.e. this step, on CUDA (torch's peak allocation, less the engine's tensors); on CPU
-    the process's peak resident memory so far, engine included (it cannot be reset there)."""
+    the process's peak resident memory so far, engine included (it cannot be reset there), and
+    not logged on Windows, which has no getrusage."""
     if torch.cuda.is_available():
         peak = torch.cuda.max_memory_allocated() - llm.memory["allocated"]
         torch.cuda.reset_peak_memory_stats()
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    return {"memory/peak_gib": peak / 2**30, "memory/engine_gib": llm.memory["device"] / 2**30}
+        peak = peak_rss()
+    peak_gib = {} if peak is None else {"memory/peak_gib": peak / 2**30}
+    return {**peak_gib, "memory/engine_gib": llm.memory["device"] / 2**30}
+
+
+def peak_rss() -> int | None:
+    """The process's peak resident memory so far, in bytes (getrusage's ru_maxrss is in KiB on
+    Linux, in bytes on macOS); None on Windows, which has no getrusage."""
+    if resource is None:
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def minibatch_stats(step_stats: dict, micro_stats: list[dict]) -> torch.Tensor:
