@@ -712,13 +712,10 @@ def test_the_default_correction_is_todays_bit_for_bit():
 
 
 def grpo_family() -> list[str]:
-    """The scripts whose compute_loss has a KL term to a reference (GRPO's family)."""
-    import inspect
+    """The scripts whose loss has a KL term to a reference (GRPO's family): their update takes ref_logprobs."""
+    from common.scripts import algorithm_scripts, update_inputs
 
-    from common.scripts import algorithm_scripts, load_script
-
-    return [s for s in algorithm_scripts()
-            if "ref_logprobs" in inspect.signature(load_script(s).compute_loss).parameters]
+    return [s for s in algorithm_scripts() if "ref_logprobs" in update_inputs(s)]
 
 
 def family_args(module, **flags):
