@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
 from common import scripts  # noqa: E402
+from common.args import vllm_installed  # noqa: E402
 from benchmarks.util import (ROOT, environment, fmt, fmt_mean_std, markdown_table,  # noqa: E402
                              provenance_md, write_json)
 
@@ -753,7 +754,8 @@ def write_report(data: dict, out: Path) -> str:
                   "![share of each part of a training step](time_breakdown.png)\n"]
     engines = [e for e in (data.get("rollout_engines"), data.get("rollout_engines_smollm2")) if e]
     if engines:
-        parts += ["### Rollout engine: vLLM against transformers `generate`\n", *map(engines_md, engines)]
+        parts += ["### Rollout engine: vLLM against transformers `generate`\n",
+                  *(f"Not run: {e['not_run']}.\n" if "not_run" in e else engines_md(e) for e in engines)]
     if data.get("gradient_variance") or "lecture_estimators" in s:
         parts += ["### The policy-gradient lecture's claim: baselines and gradient variance\n", lecture_md(data)]
         plot_lecture({t: lecture_rows(data, t) for t in (TASK, LECTURE_TASK)}, out / "lecture.png")
@@ -777,17 +779,21 @@ def update_readme(readme: Path, report: str, out: Path, mode: str = "full") -> N
     print(f"updated {readme}", flush=True)
 
 
+NO_VLLM = "vLLM is not installed here"
+
+
 def measure(mode: str, out: Path, force: bool, env: dict, only: list[str] | None = None) -> dict:
     """Run (or reuse) every part and every run; returns what results.json holds. With `only`
     (algorithm names), just those algorithms' runs."""
     s, t0, runs_dir, parts = MODES[mode], time.perf_counter(), out / "runs", {}
     if only:
         s = {k: v for k, v in s.items() if k not in ("engines", "engines_smollm2", "variance", "lecture_estimators")}
-    if "engines" in s:
-        parts["rollout_engines"] = run_part("rollout_engines", "rollout_engines.py", s["engines"], runs_dir, force)
-    if "engines_smollm2" in s:
-        parts["rollout_engines_smollm2"] = run_part("rollout_engines_smollm2", "rollout_engines.py",
-                                                    s["engines_smollm2"], runs_dir, force)
+    for name, key in (("rollout_engines", "engines"), ("rollout_engines_smollm2", "engines_smollm2")):
+        if key in s and not vllm_installed():  # the part compares vLLM with the transformers engine
+            print(f"{name}: not run ({NO_VLLM})", flush=True)
+            parts[name] = {"not_run": NO_VLLM}
+        elif key in s:
+            parts[name] = run_part(name, "rollout_engines.py", s[key], runs_dir, force)
     if "variance" in s:
         parts["gradient_variance"] = run_part("gradient_variance", "gradient_variance.py",
                                               [*s["variance"], "--task", TASK, LECTURE_TASK], runs_dir, force)

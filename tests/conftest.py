@@ -160,6 +160,8 @@ def run_main(request, monkeypatch):
         module = load_script(script)
         args = parse_args(module.Args, [str(f) for f in flags])
         choose_engine(args)  # as main() does first
+        if args.engine == "vllm" and not vllm_installed():  # asked for by name (the tiny model's `llm` skips too)
+            pytest.skip(NO_VLLM)
         if args.engine == "transformers":  # no engine of its own to share: the policy samples
             module.main(args)
             return args

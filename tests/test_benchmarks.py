@@ -16,7 +16,7 @@ import torch
 
 from benchmarks import gradient_variance
 from benchmarks import run as bench
-from tests.conftest import ROOT, pythonpath
+from tests.conftest import ROOT, pythonpath, vllm_installed
 
 
 # ----------------------------------------------------------------- synthetic metrics.jsonl
@@ -366,8 +366,12 @@ def test_quick_mode_end_to_end(tmp_path):
     assert (out / "runs" / "sort-partial" / "reinforce-no-baseline" / "seed0" / "metrics.jsonl").exists()
     assert png_size(out / "curves.png") == (1000, 740) and png_size(out / "time_breakdown.png")[0] == 1000
     assert png_size(out / "lecture.png") == (1500, 770)
-    engines = results["rollout_engines"]["sizes"][0]
-    assert engines["vllm"]["completions_per_s"] > 0 and engines["transformers"]["completions_per_s"] > 0
+    if vllm_installed():
+        engines = results["rollout_engines"]["sizes"][0]
+        assert engines["vllm"]["completions_per_s"] > 0 and engines["transformers"]["completions_per_s"] > 0
+    else:  # the engines part compares vLLM with the transformers engine: said, not failed
+        assert results["rollout_engines"] == {"not_run": "vLLM is not installed here"}
+        assert "Not run: vLLM is not installed here." in report
     variance = results["gradient_variance"]["tasks"]
     assert list(variance) == ["sort", "sort-partial"]
     for task, d in variance.items():
@@ -383,10 +387,10 @@ def test_quick_mode_end_to_end(tmp_path):
         assert "- REINFORCE, batch-mean baseline: relative gradient variance" in section
     assert "not run" in report.split("#### `sort-partial`")[1]  # the three estimators quick mode skips there
 
-    # the same command again reuses every finished run and part: 8 runs and 2 parts
+    # the same command again reuses every finished run and part: 8 runs and 2 parts (1 without vLLM)
     r = run_benchmark(out)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    assert r.stdout.count(": reused") == len(names) + 2, r.stdout
+    assert r.stdout.count(": reused") == len(names) + (2 if vllm_installed() else 1), r.stdout
     # and the report again from results.json alone is the same report
     report = (out / "report.md").read_text()
     r = run_benchmark(out, "--report-only")
