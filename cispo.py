@@ -15,8 +15,11 @@ The notation GRPO's family shares, the same block in each of its scripts:
 
     A_i  = (R_i - mean_j R_j) / (std_j R_j + eps)         (--no-scale-rewards: no std)
     r_t  = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t)      (num_epochs x num_minibatches steps a batch: r_t leaves 1)
-    w_t  = min(pi_old(y_t) / pi_vllm(y_t), C)              (--vllm-is-cap C: vLLM's own numerics; 1 when off)
+    w_t  = w(rho_t), rho_t = pi_old(y_t) / pi_vllm(y_t)   (--rollout-correction, for vLLM's own numerics; auto:
+                                                           min(rho_t, 2) in bf16, 1 in fp32; weight 0: token masked)
     KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1     (k3; beta = --kl-coef, 0: no reference model)
+      or sg(r_t) (logp_t - ref_t)^2 / 2                   (--kl-estimator k2-is: its gradient is unbiased for
+                                                           grad KL(pi || pi_ref), see common/ops.py kl_loss)
 """
 
 import os
@@ -43,7 +46,7 @@ from common.errors import need
 from common.guard import step_if_finite
 from common.metrics import minibatch_stats, step_metrics, timed
 from common.models import encode_prompts, load_policy, load_reference
-from common.ops import aggregate, batched_logprobs, forward_logprobs, masked_mean, truncated_is_weights
+from common.ops import aggregate, batched_logprobs, forward_logprobs, kl_loss, masked_mean, rollout_correction
 from common.run import Run, seed_everything
 from common.setup import Precision, engine_options, prepare
 
@@ -80,6 +83,11 @@ class Args:
     max_new_tokens: int = 12
     temperature: float = 1.0
     """sampling temperature; log-probs are computed from logits / temperature to match"""
+    top_p: float = 1.0
+    """nucleus sampling: the most likely tokens up to this total probability (1: off); the trainer's log-probs are
+    those of the same truncated distribution, renormalized (common/ops.py top_k_top_p_mask)"""
+    top_k: int = 0
+    """sampling among the k most likely tokens only (0: off); before --top-p, as vLLM truncates (and the trainer)"""
     chat_template: bool = True
     """wrap prompts in the tokenizer's chat template when it has one (--no-chat-template: raw text)"""
     system_prompt: str | None = None
@@ -111,7 +119,10 @@ class Args:
     eps_high: float = 0.28
     """upper bound of the IS weight: 1 + eps_high (ours, DAPO's clip-higher; the paper tunes only this bound)"""
     kl_coef: float = 0.0
-    """beta, weight of the k3 KL to the reference in the loss (the paper: none); 0 loads no reference model"""
+    """beta, weight of the KL term to the reference in the loss (the paper: none); 0 loads no reference model"""
+    kl_estimator: Literal["k3", "k2-is"] = "k3"
+    """the KL term: k3 (the GRPO paper's; an unbiased KL, but its gradient is not grad KL) or k2-is,
+    sg(pi / pi_old) (logp - ref)^2 / 2, whose gradient is unbiased for grad KL(pi || pi_ref)"""
     scale_rewards: bool = True
     """divide group-centered rewards by the group std (Dr. GRPO: --no-scale-rewards with
     --loss-agg seq-mean-token-sum-norm)"""
@@ -120,9 +131,20 @@ class Args:
     """how per-token losses are averaged (seq-mean-token-sum-norm divides by max_new_tokens)"""
     mask_truncated_completions: bool = False
     """leave completions that hit max_new_tokens (no EOS) out of the loss"""
-    vllm_is_cap: float | None = None
-    """C of truncated importance sampling: each token's policy gradient is weighted by min(pi_old / pi_vllm, C),
-    as vLLM samples with its own numerics; None: 2 in bf16 (~1e-2 apart), off in fp32 (~1e-5 apart); 0: off"""
+    rollout_correction: Literal["auto", "off", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask",
+                                "geometric-mask"] = "auto"
+    """the weight w on each token's policy gradient for vLLM sampling with its own numerics, from rho_t =
+    pi_old / pi_vllm (common/ops.py rollout_correction): token-truncate min(rho_t, C) (TIS); token-mask rho_t,
+    0 outside [C_low, C_high] (IcePop); sequence-truncate / sequence-mask the same of the sequence's prod_t rho_t
+    (MIS); geometric-mask 1, 0 where exp(mean_t log rho_t) leaves [C_low, C_high]; off 1; auto: token-truncate
+    C 2 in bf16 (~1e-2 apart), off in fp32 (~1e-5 apart). A weight 0 leaves the loss, not its normalizer"""
+    rollout_correction_cap: float | None = None
+    """C of token-truncate and sequence-truncate; None: 2 (TIS's, verl's)"""
+    rollout_correction_low: float | None = None
+    """C_low of the mask modes; None: token-mask 0.5 (OpenRLHF IcePop), sequence-mask 0.5 (verl Seq-MIS),
+    geometric-mask 0.99 (SkyRL's recommendation)"""
+    rollout_correction_high: float | None = None
+    """C_high of the mask modes; None: token-mask 5, sequence-mask 2, geometric-mask 1.01"""
     ref_update_every: int = 0
     """copy the policy into the reference every N steps (a reference reset, as DeepSeekMath's iterative GRPO
     does); 0 never"""
@@ -192,8 +214,7 @@ def compute_loss(logprobs, old_logprobs, ref_logprobs, advantages, vllm_is_weigh
     per_token = -is_weight * vllm_is_weights * A * logprobs
     stats = {}
     if ref_logprobs is not None:
-        log_ref_ratio = ref_logprobs - logprobs
-        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1
+        kl = kl_loss(logprobs, old_logprobs, ref_logprobs, args.kl_estimator)  # k3, or k2-is: grad KL's gradient
         per_token = per_token + args.kl_coef * kl
         stats["loss/kl"] = aggregate(kl.detach(), mask, "token-mean", num_tokens)  # its share of the minibatch's
     loss = aggregate(per_token, mask, args.loss_agg, num_tokens, num_seqs, args.max_new_tokens)
@@ -230,12 +251,12 @@ def update(policy, optimizer, scheduler, args: Args, precision, minibatches, inp
             for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
                 with precision.autocast(device):
                     logprobs, entropy = forward_logprobs(policy, input_ids[micro, cols], attention_mask[micro, cols],
-                                                         c, args.temperature, with_entropy=True)
+                                                         c, args.temperature, args.top_p, args.top_k, with_entropy=True)
                 if reuse_forward:
                     old_logprobs[micro, :c] = logprobs.detach()
-                # vLLM sampled from its own numerics, not exactly pi_old: truncated importance weights
-                vllm_is_weights = truncated_is_weights(old_logprobs[micro, :c], vllm_logprobs[micro, :c],
-                                                       precision.vllm_is_cap)
+                # vLLM sampled from its own numerics, not exactly pi_old: --rollout-correction's weights
+                vllm_is_weights = rollout_correction(old_logprobs[micro, :c], vllm_logprobs[micro, :c],
+                                                     completion_mask[micro, :c], precision.rollout_correction)
                 loss, stats = compute_loss(logprobs, old_logprobs[micro, :c],
                                            None if ref_logprobs is None else ref_logprobs[micro, :c],
                                            advantages[micro], vllm_is_weights, loss_mask[micro, :c], args,
@@ -308,11 +329,12 @@ def main(args: Args) -> None:
             reuse_forward = args.num_epochs == 1 and args.num_minibatches == 1
             old_logprobs = None if reuse_forward else batched_logprobs(
                 policy, input_ids, attention_mask, C, args.temperature, args.micro_batch_size,
-                precision.autocast_dtype, minibatches[0])
+                precision.autocast_dtype, minibatches[0], top_p=args.top_p, top_k=args.top_k)
             ref_logprobs = None
             if ref_model is not None:
                 ref_logprobs = batched_logprobs(ref_model, input_ids, attention_mask, C, args.temperature,
-                                                args.micro_batch_size, precision.autocast_dtype, minibatches[0])
+                                                args.micro_batch_size, precision.autocast_dtype, minibatches[0],
+                                                top_p=args.top_p, top_k=args.top_k)
             vllm_logprobs = sampled_logprobs(completions, C, device)  # vLLM's own, for the mismatch
 
         # ---------------------------------------------------------------- 4. advantage
@@ -333,7 +355,7 @@ def main(args: Args) -> None:
         # ---------------------------------------------------------------- 7. log / eval / checkpoint
         times["step"] = time.perf_counter() - t_step
         metrics = step_metrics(step_stats, rewards, reward_parts, completion_mask, truncated, old_logprobs,
-                               vllm_logprobs, ref_logprobs, precision.vllm_is_cap, scheduler, times, llm)
+                               vllm_logprobs, ref_logprobs, precision.rollout_correction, scheduler, times, llm)
         run.log_completions(step + 1, [e["prompt"] for e in examples], [c.text for c in completions], rewards,
                             reward_parts, advantages)
         run.end_step(step + 1, metrics)  # eval, log, save when due

@@ -18,7 +18,8 @@ whitened over the batch's tokens. Policy and critic minimize (num_epochs x num_m
     L = agg_t [ -min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t) * w_t ]
         + vf_coef * agg_t [ 0.5 * max((V_t - returns_t)^2, (clip(V_t, V_old_t +- vf_clip) - returns_t)^2) ]
     r_t = pi(y_t | x, y_<t) / pi_old(y_t | x, y_<t)
-    w_t = min(pi_old(y_t) / pi_vllm(y_t), C)               (--vllm-is-cap C; vLLM's own numerics; 1 when off)
+    w_t = w(rho_t), rho_t = pi_old(y_t) / pi_vllm(y_t)    (--rollout-correction, for vLLM's own numerics; auto:
+                                                           min(rho_t, 2) in bf16, 1 in fp32; weight 0: token masked)
 
 One AdamW holds two parameter groups (policy at --lr, critic at --critic-lr) and the two
 gradients are clipped separately, so a large value loss never shrinks the policy's step.
@@ -50,7 +51,7 @@ from common.errors import need
 from common.guard import step_if_finite
 from common.metrics import minibatch_stats, step_metrics, timed
 from common.models import check_model, encode_prompts, load_policy, load_pretrained, load_reference
-from common.ops import aggregate, batched_logprobs, forward_logprobs, masked_mean, truncated_is_weights
+from common.ops import aggregate, batched_logprobs, forward_logprobs, masked_mean, rollout_correction
 from common.rewards import check_reward_model, load_reward_model, reward_model_scores
 from common.run import Run, seed_everything
 from common.setup import Precision, engine_options, prepare
@@ -88,6 +89,11 @@ class Args:
     max_new_tokens: int = 12
     temperature: float = 1.0
     """sampling temperature; log-probs are computed from logits / temperature to match"""
+    top_p: float = 1.0
+    """nucleus sampling: the most likely tokens up to this total probability (1: off); the trainer's log-probs are
+    those of the same truncated distribution, renormalized (common/ops.py top_k_top_p_mask)"""
+    top_k: int = 0
+    """sampling among the k most likely tokens only (0: off); before --top-p, as vLLM truncates (and the trainer)"""
     chat_template: bool = True
     """wrap prompts in the tokenizer's chat template when it has one (--no-chat-template: raw text)"""
     system_prompt: str | None = None
@@ -152,9 +158,20 @@ class Args:
     """how per-token losses are averaged (seq-mean-token-sum-norm divides by max_new_tokens)"""
     mask_truncated_completions: bool = False
     """leave completions that hit max_new_tokens (no EOS) out of the loss"""
-    vllm_is_cap: float | None = None
-    """C of truncated importance sampling: each token's policy gradient is weighted by min(pi_old / pi_vllm, C),
-    as vLLM samples with its own numerics; None: 2 in bf16 (~1e-2 apart), off in fp32 (~1e-5 apart); 0: off"""
+    rollout_correction: Literal["auto", "off", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask",
+                                "geometric-mask"] = "auto"
+    """the weight w on each token's policy gradient for vLLM sampling with its own numerics, from rho_t =
+    pi_old / pi_vllm (common/ops.py rollout_correction): token-truncate min(rho_t, C) (TIS); token-mask rho_t,
+    0 outside [C_low, C_high] (IcePop); sequence-truncate / sequence-mask the same of the sequence's prod_t rho_t
+    (MIS); geometric-mask 1, 0 where exp(mean_t log rho_t) leaves [C_low, C_high]; off 1; auto: token-truncate
+    C 2 in bf16 (~1e-2 apart), off in fp32 (~1e-5 apart). A weight 0 leaves the loss, not its normalizer"""
+    rollout_correction_cap: float | None = None
+    """C of token-truncate and sequence-truncate; None: 2 (TIS's, verl's)"""
+    rollout_correction_low: float | None = None
+    """C_low of the mask modes; None: token-mask 0.5 (OpenRLHF IcePop), sequence-mask 0.5 (verl Seq-MIS),
+    geometric-mask 0.99 (SkyRL's recommendation)"""
+    rollout_correction_high: float | None = None
+    """C_high of the mask modes; None: token-mask 5, sequence-mask 2, geometric-mask 1.01"""
 
     # infra
     precision: Literal["auto", "bf16", "fp32"] = "auto"
@@ -331,11 +348,11 @@ def update(policy, critic, optimizer, scheduler, args: Args, precision, minibatc
             for micro, cols, c in micro_batches(mb, input_ids, attention_mask, C, args.micro_batch_size):
                 with precision.autocast(device):
                     logprobs, entropy = forward_logprobs(policy, input_ids[micro, cols], attention_mask[micro, cols],
-                                                         c, args.temperature, with_entropy=True)
+                                                         c, args.temperature, args.top_p, args.top_k, with_entropy=True)
                     values = forward_values(critic, input_ids[micro, cols], attention_mask[micro, cols], c)
-                # vLLM sampled from its own numerics, not exactly pi_old: truncated importance weights
-                vllm_is_weights = truncated_is_weights(old_logprobs[micro, :c], vllm_logprobs[micro, :c],
-                                                       precision.vllm_is_cap)
+                # vLLM sampled from its own numerics, not exactly pi_old: --rollout-correction's weights
+                vllm_is_weights = rollout_correction(old_logprobs[micro, :c], vllm_logprobs[micro, :c],
+                                                     completion_mask[micro, :c], precision.rollout_correction)
                 loss, stats = compute_loss(logprobs, old_logprobs[micro, :c], advantages[micro, :c], values,
                                            old_values[micro, :c], returns[micro, :c], vllm_is_weights,
                                            loss_mask[micro, :c], args, num_tokens, num_seqs)
@@ -417,11 +434,13 @@ def main(args: Args) -> None:
             # log-prob by 1e-3..1e-2, GSPO's whole clip range)
             minibatches = draw_minibatches(input_ids.shape[0], args.num_epochs, args.num_minibatches, device)
             old_logprobs = batched_logprobs(policy, input_ids, attention_mask, C, args.temperature,
-                                            args.micro_batch_size, precision.autocast_dtype, minibatches[0])
+                                            args.micro_batch_size, precision.autocast_dtype, minibatches[0],
+                                            top_p=args.top_p, top_k=args.top_k)
             ref_logprobs = None
             if ref_model is not None:
                 ref_logprobs = batched_logprobs(ref_model, input_ids, attention_mask, C, args.temperature,
-                                                args.micro_batch_size, precision.autocast_dtype, minibatches[0])
+                                                args.micro_batch_size, precision.autocast_dtype, minibatches[0],
+                                                top_p=args.top_p, top_k=args.top_k)
             old_values = torch.zeros_like(old_logprobs)
             with torch.no_grad(), precision.autocast(device):
                 for mb in minibatches[0]:  # the update's first micro-batches, as for the log-probs
@@ -450,7 +469,7 @@ def main(args: Args) -> None:
         # ---------------------------------------------------------------- 7. log / eval / checkpoint
         times["step"] = time.perf_counter() - t_step
         metrics = step_metrics(step_stats, rewards, reward_parts, completion_mask, truncated, old_logprobs,
-                               vllm_logprobs, ref_logprobs, precision.vllm_is_cap, scheduler, times, llm)
+                               vllm_logprobs, ref_logprobs, precision.rollout_correction, scheduler, times, llm)
         if ref_logprobs is not None:
             kl_per_seq = dist.global_mean((kl * loss_mask).sum(1)).item()  # over all ranks' sequences
             metrics.update({"kl/token_mean": masked_mean(kl, loss_mask), "kl/seq_mean": kl_per_seq, "kl/coef": kl_coef})

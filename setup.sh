@@ -7,12 +7,17 @@
 # the set without vLLM (requirements-novllm.txt, the same pins with torch's plain wheel of the
 # platform): the scripts then roll out with --engine transformers, which they pick themselves.
 # `bash setup.sh --plan` prints what it would install from where, and installs nothing
-# (tests/test_requirements.py checks that plan).
+# (tests/test_requirements.py checks that plan); RL_LM_PLAN_OS and RL_LM_PLAN_ARCH (uname -s
+# and -m, e.g. Darwin and arm64) make it the plan for another machine. RL_LM_VENV: the folder
+# of the venv (.venv).
 #
 # Where the wheels come from: the package index pip is set up with (PyPI by default), except
 # the pins with a local version `+cpu` (torch's CPU build, which vLLM's CPU wheel requires):
 # PyPI has no `+cpu` wheels, so those come from PyTorch's CPU wheel index ($TORCH_CPU_INDEX),
 # unless pip's own sources (e.g. a local wheel folder) already offer them.
+#
+# Bash 3.2 (macOS's /bin/bash) runs it: no mapfile or readarray, no associative arrays, no
+# ${x,,}, and no "${a[@]}" of an array that may be empty (an error under set -u before bash 4.4).
 set -euo pipefail
 cd "$(dirname "$0")"
 TORCH_CPU_INDEX="${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
@@ -26,6 +31,9 @@ case "$device" in
   *) echo "setup.sh: RL_LM_DEVICE must be cpu or cuda, got '$device'" >&2; exit 2 ;;
 esac
 python=${PYTHON:-python3}
+venv=${RL_LM_VENV:-.venv}
+os=$(uname -s) arch=$(uname -m)
+if [ "${1:-}" = --plan ]; then os=${RL_LM_PLAN_OS:-$os} arch=${RL_LM_PLAN_ARCH:-$arch}; fi
 # where vLLM has no build: the set without it, said in one line (the scripts then pick --engine transformers)
 engine="${RL_LM_ENGINE:-}" why=""
 case "$engine" in
@@ -34,7 +42,6 @@ case "$engine" in
 esac
 if [ -z "$engine" ]; then
   engine=vllm
-  os=$(uname -s) arch=$(uname -m)
   pyv=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || echo "?")
   if [ "$os" != Linux ]; then why="vLLM has no build for $os"
   elif [ "$arch" != x86_64 ] && [ "$arch" != aarch64 ]; then why="vLLM has no build for $arch"
@@ -48,22 +55,24 @@ if [ "$engine" = transformers ]; then
   reqs=requirements-novllm.txt
   # on Linux without a GPU, torch's CPU build (PyPI's Linux wheel is the CUDA one, with GBs of CUDA libraries):
   # the +cpu twin of the CPU set's pin, which pip's ==2.13.0 accepts (a pin without a local label matches any)
-  [ "$(uname -s)" = Linux ] && [ "$device" = cpu ] && extra_cpu_pin=$(grep -E '^torch==[^ #]*\+cpu' requirements-cpu.txt)
+  [ "$os" = Linux ] && [ "$device" = cpu ] && extra_cpu_pin=$(grep -E '^torch==[^ #]*\+cpu' requirements-cpu.txt)
 fi
-# the +cpu pins (PyPI has none: PyTorch's CPU index has them)
-mapfile -t cpu_pins < <(grep -E '^[A-Za-z0-9_.-]+==[^ #]*\+cpu' "$reqs" || true)
-[ -n "${extra_cpu_pin:-}" ] && cpu_pins+=("$extra_cpu_pin")
+# the +cpu pins (PyPI has none: PyTorch's CPU index has them), one a line; a pin has no space
+# or glob character, so $cpu_pins unquoted is its words
+cpu_pins=$(grep -E '^[A-Za-z0-9_.-]+==[^ #]*\+cpu' "$reqs" || true)
+[ -n "${extra_cpu_pin:-}" ] && cpu_pins="$cpu_pins
+$extra_cpu_pin"
 if [ "$engine" = transformers ] && [ "${1:-}" != --plan ]; then
   echo "setup.sh: $why: installing $reqs, without vLLM (the scripts roll out with --engine transformers)"
 fi
 if [ "${1:-}" = --plan ]; then
   echo "set $reqs"
   echo "nodeps requirements-nodeps.txt"
-  for pin in "${cpu_pins[@]}"; do echo "torch-index $pin $TORCH_CPU_INDEX"; done
+  for pin in $cpu_pins; do echo "torch-index $pin $TORCH_CPU_INDEX"; done
   exit 0
 fi
 # tcmalloc, which the scripts preload on CPU (common/allocator.py): Debian's package, where root and apt-get allow
-if [ "$device" = cpu ] && [ "$(uname -s)" = Linux ] && ! ls /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then
+if [ "$device" = cpu ] && [ "$os" = Linux ] && ! ls /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1 \
       || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1; } \
@@ -84,25 +93,26 @@ if [ "$device" = cuda ] && [ "$engine" = vllm ]; then  # torch 2.13.0's CUDA bui
   fi
 fi
 # the stamp changes with either requirements file (and so reinstalls)
-stamp=.venv/.installed-$({ cat "$reqs" requirements-nodeps.txt; printf %s "${extra_cpu_pin:-}"; } | "$python" -c \
+stamp=$venv/.installed-$({ cat "$reqs" requirements-nodeps.txt; printf %s "${extra_cpu_pin:-}"; } | "$python" -c \
   'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:16])')
 if [ -f "$stamp" ]; then
-  echo "setup.sh: .venv is up to date ($reqs)"
+  echo "setup.sh: $venv is up to date ($reqs)"
   exit 0
 fi
-echo "setup.sh: installing $reqs into .venv ($device): +cpu wheels from pip's sources or $TORCH_CPU_INDEX, the rest from pip's index"
-[ -d .venv ] || "$python" -m venv .venv
-vpython=.venv/bin/python
-[ -x "$vpython" ] || vpython=.venv/Scripts/python.exe  # Windows
+echo "setup.sh: installing $reqs into $venv ($device): +cpu wheels from pip's sources or $TORCH_CPU_INDEX, the rest from pip's index"
+[ -d "$venv" ] || "$python" -m venv "$venv"
+vpython=$venv/bin/python
+[ -x "$vpython" ] || vpython=$venv/Scripts/python.exe  # Windows
 pip=("$vpython" -m pip)
 "${pip[@]}" install --quiet --upgrade pip
 # the +cpu pins first: from pip's own sources if they have them (no network time-out where
 # PyTorch's index cannot be reached), else from PyTorch's CPU index
-if [ ${#cpu_pins[@]} -gt 0 ]; then
+if [ -n "$cpu_pins" ]; then
   log=$(mktemp)
-  if ! "${pip[@]}" install --quiet "${cpu_pins[@]}" >"$log" 2>&1 \
-     && ! "${pip[@]}" install --quiet --extra-index-url "$TORCH_CPU_INDEX" "${cpu_pins[@]}" >>"$log" 2>&1; then
-    echo "setup.sh: no source pip can reach offers ${cpu_pins[*]} (PyTorch's CPU build, on $TORCH_CPU_INDEX; set TORCH_CPU_INDEX to a mirror): pip's output in $log" >&2
+  # shellcheck disable=SC2086 # the pins' words, see cpu_pins
+  if ! "${pip[@]}" install --quiet $cpu_pins >"$log" 2>&1 \
+     && ! "${pip[@]}" install --quiet --extra-index-url "$TORCH_CPU_INDEX" $cpu_pins >>"$log" 2>&1; then
+    echo "setup.sh: no source pip can reach offers" $cpu_pins "(PyTorch's CPU build, on $TORCH_CPU_INDEX; set TORCH_CPU_INDEX to a mirror): pip's output in $log" >&2
     exit 1
   fi
   rm -f "$log"
@@ -117,5 +127,5 @@ fi
 vllm = __import__('vllm') if '$engine' == 'vllm' else None; \
 print('setup.sh: torch', torch.__version__, '| transformers', transformers.__version__, \
 '| vllm', vllm.__version__ if vllm else 'none (--engine transformers)')"
-rm -f .venv/.installed-*
+rm -f "$venv"/.installed-*
 touch "$stamp"

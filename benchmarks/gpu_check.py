@@ -317,7 +317,9 @@ def check_process_group(args, device: torch.device) -> dict:
 
 def precision_of(device: torch.device) -> Precision:
     """The scripts' numerics on this device (--precision auto): bf16 on CUDA, fp32 on CPU."""
-    return Precision.of(argparse.Namespace(precision="auto", vllm_is_cap=None, dtype="float32"), device.type)
+    return Precision.of(argparse.Namespace(precision="auto", rollout_correction="auto", rollout_correction_cap=None,
+                                           rollout_correction_low=None, rollout_correction_high=None,
+                                           dtype="float32"), device.type)
 
 
 def shard(model, device: torch.device):

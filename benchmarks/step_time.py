@@ -4,9 +4,10 @@
     .venv/bin/python benchmarks/step_time.py --revs 4662adb HEAD --repeats 2 -- \\
         grpo.py --model smollm2 --task basic_arithmetic --steps 5 ...
     .venv/bin/python benchmarks/step_time.py --revs HEAD --processes 1 2 --repeats 2 -- grpo.py --steps 20
+    .venv/bin/python benchmarks/step_time.py --revs HEAD --threads all 1 --repeats 3 -- grpo.py --steps 20
 
 Each revision is checked out (git worktree) next to the others; the runs alternate between
-the variants (revision x processes: A B A B ...), so a machine that speeds up or slows down during the measurement touches
+the variants (revision x processes x threads: A B A B ...), so a machine that speeds up or slows down during the measurement touches
 both alike. Of each run, the steady steps count (the first step, which warms caches, is left
 out): the median of time/step and of each part of it (time/rollout, time/logprobs, ...).
 Prints a markdown table and writes every run's numbers to --json.
@@ -35,10 +36,14 @@ def checkout(rev: str, parent: Path) -> Path:
     return path
 
 
-def run_once(tree: Path, command: list[str], out: Path, processes: int = 1) -> list[dict]:
+def run_once(tree: Path, command: list[str], out: Path, processes: int = 1, threads: str = "all") -> list[dict]:
     """The command in that tree (its own --output-dir), under torchrun if processes > 1 (one
-    thread each); the trained steps' metrics."""
+    thread each), with OMP_NUM_THREADS=threads unless "all"; the trained steps' metrics."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
+    if threads == "all":
+        env.pop("OMP_NUM_THREADS", None)
+    else:
+        env["OMP_NUM_THREADS"] = threads
     launcher = [sys.executable] + (["-m", "torch.distributed.run", "--nproc-per-node", str(processes)]
                                    if processes > 1 else [])
     log = out.with_suffix(".log")
@@ -80,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each variant, alternating")
     parser.add_argument("--processes", type=int, nargs="+", default=[1],
                         help="run the command with each of these process counts (torchrun when > 1)")
+    parser.add_argument("--threads", nargs="+", default=["all"],
+                        help="run the command with each of these OMP_NUM_THREADS (all: the variable unset)")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "step_time.json")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT FLAGS... (without --output-dir)")
     args = parser.parse_args(argv)
@@ -90,14 +97,15 @@ def main(argv: list[str] | None = None) -> int:
         trees = {rev: checkout(rev, Path(tmp)) for rev in args.revs}
         commits = {rev: subprocess.run(["git", "-C", str(t), "rev-parse", "--short", "HEAD"], capture_output=True,
                                        text=True, check=True).stdout.strip() for rev, t in trees.items()}
-        variants = {f"`{rev}`" + (f", {n} process{'es' * (n > 1)}" if len(args.processes) > 1 else ""): (rev, n)
-                    for rev in args.revs for n in args.processes}
+        variants = {f"`{rev}`" + (f", {n} process{'es' * (n > 1)}" if len(args.processes) > 1 else "")
+                    + (f", OMP_NUM_THREADS={t}" if len(args.threads) > 1 else ""): (rev, n, t)
+                    for rev in args.revs for n in args.processes for t in args.threads}
         runs: dict[str, list[dict]] = {v: [] for v in variants}
         try:
             for i in range(args.repeats):
-                for variant, (rev, n) in variants.items():
+                for variant, (rev, n, t) in variants.items():
                     t0 = time.time()
-                    result = steady(run_once(trees[rev], command, Path(tmp) / f"{commits[rev]}_{n}_{i}", n))
+                    result = steady(run_once(trees[rev], command, Path(tmp) / f"{commits[rev]}_{n}_{t}_{i}", n, t))
                     runs[variant].append(result)
                     print(f"{variant} run {i + 1}: {result['time/step']:.2f} s a step ({time.time() - t0:.0f} s)",
                           flush=True)

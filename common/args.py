@@ -16,6 +16,7 @@ from pathlib import Path
 from common import dist
 from common.errors import ConfigError, RunError, need
 from common.interrupt import StopAtOnce, signal_name
+from common.ops import CORRECTION_DEFAULTS
 
 
 # Flags a resumed run may change (each change is printed). Every other flag defines the run
@@ -33,6 +34,7 @@ def parse_args(Args, argv: list[str] | None = None):
     with a new value are applied if they are in RESUMABLE_CHANGES, else refused."""
     import tyro
 
+    refuse_replaced_flags(argv if argv is not None else sys.argv[1:])
     args = tyro.cli(Args, args=argv)
     if args.resume is None:
         return args
@@ -106,6 +108,8 @@ def check_args(args, max_context: int, max_prompt_len: int, min_completions: int
          f"--max-new-tokens {args.max_new_tokens} plus the longest prompt ({max_prompt_len} tokens) "
          f"exceeds the model's context of {max_context} tokens")
     need(args.temperature > 0, f"--temperature must be positive, got {args.temperature}")
+    need(0 < args.top_p <= 1, f"--top-p must be in (0, 1] (1: off), got {args.top_p}")
+    need(args.top_k >= 0, f"--top-k must be >= 0 (0: off), got {args.top_k}")
     need(args.micro_batch_size > 0, f"--micro-batch-size must be positive, got {args.micro_batch_size}")
     need(args.max_grad_norm > 0, f"--max-grad-norm must be positive, got {args.max_grad_norm}")
     need(args.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {args.warmup_steps}")
@@ -120,8 +124,7 @@ def check_args(args, max_context: int, max_prompt_len: int, min_completions: int
     need(0 < args.vllm_gpu_memory_utilization <= 1,
          f"--vllm-gpu-memory-utilization must be in (0, 1], got {args.vllm_gpu_memory_utilization}")
     need(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
-    need(args.vllm_is_cap is None or args.vllm_is_cap == 0 or args.vllm_is_cap >= 1,
-         f"--vllm-is-cap must be 0 (off) or >= 1, got {args.vllm_is_cap}")
+    check_rollout_correction(args)
     need(args.lora_rank >= 0 and args.lora_alpha > 0, f"--lora-rank must be >= 0 and --lora-alpha > 0, got "
                                                       f"{args.lora_rank} and {args.lora_alpha}")
     need(not (getattr(args, "ref_update_every", 0) and args.lora_rank),
@@ -140,6 +143,43 @@ def check_args(args, max_context: int, max_prompt_len: int, min_completions: int
              f"(prompts_per_step x completions_per_prompt = {batch}" + (f", per process of {world})" if world > 1
                                                                          else ")"))
         need(args.num_epochs > 0, f"--num-epochs must be positive, got {args.num_epochs}")
+
+
+def check_rollout_correction(args) -> None:
+    """--rollout-correction's thresholds: each one given only to a mode that uses it, and in range."""
+    uses = CORRECTION_DEFAULTS.get(args.rollout_correction, {})
+    for name in ("cap", "low", "high"):
+        value = getattr(args, f"rollout_correction_{name}")
+        users = " or ".join(m for m, d in CORRECTION_DEFAULTS.items() if name in d)
+        need(value is None or name in uses, f"--rollout-correction-{name} is a threshold of --rollout-correction "
+                                            f"{users}, not {args.rollout_correction}")
+    cap, low, high = args.rollout_correction_cap, args.rollout_correction_low, args.rollout_correction_high
+    need(cap is None or cap > 0, f"--rollout-correction-cap must be positive, got {cap}")
+    low, high = low if low is not None else uses.get("low"), high if high is not None else uses.get("high")
+    need(low is None or 0 <= low <= 1 <= high, f"--rollout-correction-low and -high must have 0 <= low <= 1 <= high "
+                                              f"(a ratio of 1 is on-policy: kept), got [{low}, {high}]")
+
+
+# Flags that are gone: one line naming what replaced them (instead of tyro's usage error)
+REPLACED_FLAGS = {"--vllm-is-cap": "--rollout-correction token-truncate --rollout-correction-cap C "
+                                   "(0: --rollout-correction off; see --help)"}
+
+
+def refuse_replaced_flags(argv: list[str]) -> None:
+    for flag, replacement in REPLACED_FLAGS.items():
+        need(not any(a.split("=", 1)[0] == flag for a in argv), f"{flag} is replaced by {replacement}")
+
+
+def upgrade_saved_args(saved: dict) -> dict:
+    """A run's saved arguments in today's flags: an older run's --vllm-is-cap C is --rollout-correction
+    token-truncate with cap C (None: auto, 0: off), so that run still resumes."""
+    if "vllm_is_cap" not in saved:
+        return saved
+    saved = dict(saved)
+    cap = saved.pop("vllm_is_cap")
+    saved.setdefault("rollout_correction", "auto" if cap is None else "off" if cap == 0 else "token-truncate")
+    saved.setdefault("rollout_correction_cap", cap or None)
+    return saved
 
 
 def vllm_installed() -> bool:
@@ -210,6 +250,7 @@ def read_run_info(checkpoint: str) -> dict:
     with open(os.path.join(checkpoint, "run.json")) as f:
         info = json.load(f)
     info["args"] = {k: tuple(v) if isinstance(v, list) else v for k, v in info["args"].items()}  # JSON has no tuples
+    info["args"] = upgrade_saved_args(info["args"])
     return info
 
 

@@ -110,6 +110,14 @@ def all_sum(x) -> torch.Tensor:
     return x
 
 
+def all_max(x: torch.Tensor) -> torch.Tensor:
+    """x's elementwise max over ranks, as a new tensor."""
+    x = x.detach().clone()
+    if world_size() > 1:
+        tdist.all_reduce(x, op=tdist.ReduceOp.MAX)
+    return x
+
+
 def first_index(count: int) -> int:
     """Where this rank's `count` items start in the whole batch (rank order): the lower ranks' counts
     summed. Equal shares give rank * count; multi-turn episodes still going after a turn do not."""
@@ -165,12 +173,19 @@ def all_gather_objects(items: list) -> list:
 def mean_over_ranks(metrics: dict) -> dict:
     """Each metric averaged over ranks (equal shares: a mean over the batch is exact; std and
     token-weighted means are the ranks' average), except counts of events on a rank (".../timeouts":
-    reward calls, environment steps), which are summed: the whole batch's. One reduction for all."""
+    reward calls, environment steps), which are summed: the whole batch's, and extremes ("..._min",
+    "..._max"), the whole batch's min and max. One reduction for all, and one more for the extremes."""
     if world_size() == 1:
         return metrics
     keys = sorted(metrics)
     values = all_sum(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)).tolist()
-    return {k: v if k.endswith("timeouts") else v / world_size() for k, v in zip(keys, values)}
+    reduced = {k: v if k.endswith("timeouts") else v / world_size() for k, v in zip(keys, values)}
+    extremes = [k for k in keys if k.endswith(("_min", "_max"))]
+    if extremes:  # min x = -max(-x): one MAX reduction
+        signs = torch.tensor([-1.0 if k.endswith("_min") else 1.0 for k in extremes], dtype=torch.float64)
+        signed = all_max(signs * torch.tensor([float(metrics[k]) for k in extremes], dtype=torch.float64))
+        reduced.update(zip(extremes, (signs * signed).tolist()))
+    return reduced
 
 
 def broadcast(obj):

@@ -25,6 +25,7 @@ from common import dist
 from common.batch import position_ids_of
 from common.errors import need
 from common.models import encode_prompts, load_tokenizer, merged_weights, resolve_model, stop_token_ids
+from common.ops import top_k_top_p_mask
 from common.rewards import TIMEOUTS, Reward, RewardTerm
 
 
@@ -299,13 +300,14 @@ def sampled_logprobs(completions, num_completion_tokens: int, device) -> torch.T
 
 def sampling_params(args, tokenizer, **changes):
     """The rollout's vLLM sampling: n = --completions-per-prompt completions of each prompt at
-    --temperature, at most --max-new-tokens, with the sampled token's log-prob; a completion ends
+    --temperature, truncated by --top-p / --top-k, at most --max-new-tokens, with the sampled token's
+    log-prob (processed: of the truncated distribution, renormalized); a completion ends
     at EOS or at the chat template's end-of-turn token (which stays in its loss mask). Never a
     per-request seed: the engine is seeded once. changes: other values of SamplingParams' fields."""
     SamplingParams = _sampling_params_class(args.engine)
     return SamplingParams(**{"n": args.completions_per_prompt, "temperature": args.temperature,
-                             "max_tokens": args.max_new_tokens, "logprobs": 0,
-                             "stop_token_ids": stop_token_ids(tokenizer), **changes})
+                             "top_p": args.top_p, "top_k": args.top_k, "max_tokens": args.max_new_tokens,
+                             "logprobs": 0, "stop_token_ids": stop_token_ids(tokenizer), **changes})
 
 
 def _sampling_params_class(engine):
@@ -327,6 +329,8 @@ class SamplingParams:
     """The fields of vLLM's SamplingParams the scripts set; temperature 0 is greedy."""
     n: int = 1
     temperature: float = 1.0
+    top_p: float = 1.0  # 1: off
+    top_k: int = 0      # 0: off
     max_tokens: int = 16
     logprobs: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
@@ -359,7 +363,8 @@ class TransformersEngine:
     Each sample draws its tokens by inverse CDF from uniforms of its own generator, seeded by
     (seed, the engine's call count, the sample's index in the whole batch): under torchrun,
     where rank r holds rows r*B..(r+1)*B-1 of the batch (dist.share), N ranks sample what one
-    process samples. Log-probs are log_softmax(logits / temperature), vLLM's processed ones.
+    process samples. Log-probs are log_softmax(logits / temperature), vLLM's processed ones; with top_p or
+    top_k, over the tokens vLLM's rule keeps (common/ops.py top_k_top_p_mask, the trainer's too), renormalized.
     Under FSDP every forward needs every rank, so the ranks decode in step until every rank's
     samples have ended. No sleep mode: nothing to free, the weights are the trainer's."""
 
@@ -442,7 +447,10 @@ class TransformersEngine:
                              past_key_values=cache, use_cache=True, logits_to_keep=1)
             cache, logits = out.past_key_values, out.logits[:, -1].float()
             if params.temperature > 0:
-                logp = torch.log_softmax(logits / params.temperature, dim=-1)
+                logits = logits / params.temperature
+                if params.top_p < 1.0 or params.top_k > 0:  # truncated after the temperature, as vLLM does
+                    logits = logits.masked_fill(~top_k_top_p_mask(logits, params.top_k, params.top_p), float("-inf"))
+                logp = torch.log_softmax(logits, dim=-1)
                 cdf = logp.exp().cumsum(-1)
                 # the first token whose CDF reaches u * total, u in (0, 1]: never one of probability 0
                 token = torch.searchsorted(cdf, ((1 - uniforms[:, t]) * cdf[:, -1])[:, None])[:, 0]

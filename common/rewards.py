@@ -143,6 +143,9 @@ class RewardTimeout(BaseException):
     reward's own `except Exception` (math_reward has one) does not swallow it and carry on."""
 
 
+_NO_SIGALRM_SAID = False
+
+
 @contextlib.contextmanager
 def time_limit(seconds: float):
     """with time_limit(s): the block, interrupted by RewardTimeout after s seconds of wall time
@@ -150,8 +153,17 @@ def time_limit(seconds: float):
     timer (ITIMER_REAL): its handler raises in the main thread between two bytecodes or out of a
     blocking call (sleep, I/O), so a pure-Python infinite loop stops too; in another thread there is
     no limit. It cannot stop a single C call that holds the interpreter, nor code that replaces the
-    handler or catches BaseException: the user's code runs in workers instead (InWorkers)."""
+    handler or catches BaseException: the user's code runs in workers instead (InWorkers). Where
+    signal has no SIGALRM (Windows) there is no limit either, said once."""
+    global _NO_SIGALRM_SAID
     if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if not hasattr(signal, "SIGALRM"):
+        if not _NO_SIGALRM_SAID:
+            tqdm.write("no SIGALRM on this platform (Windows): the built-in rewards and the calculator run without "
+                       f"their {seconds:g} s time limit", file=sys.stderr)
+            _NO_SIGALRM_SAID = True
         yield
         return
 

@@ -59,7 +59,14 @@ def rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()  # this process's GPU only: resumable on any number of GPUs
+    if mps_rng():
+        state["mps"] = torch.mps.get_rng_state()  # an Apple GPU's generator (dropout, sampling there)
     return state
+
+
+def mps_rng() -> bool:
+    """An Apple GPU whose generator torch can save and restore (torch.mps.get_rng_state)."""
+    return torch.backends.mps.is_available() and hasattr(torch.mps, "get_rng_state")
 
 
 def rng_states() -> list[dict]:
@@ -85,6 +92,8 @@ def set_rng_state(state: dict) -> None:
         cuda = cuda[i] if i < len(cuda) else None
     if cuda is not None:
         torch.cuda.set_rng_state(cuda)  # this process's GPU
+    if state.get("mps") is not None and mps_rng():
+        torch.mps.set_rng_state(state["mps"])
 
 
 # ---------------------------------------------------------------------------------------

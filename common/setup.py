@@ -12,6 +12,7 @@ from common import dist
 from common.errors import need
 from common.args import check_args, vllm_installed
 from common.models import check_lora_targets, check_model, encode_prompts, load_tokenizer
+from common.ops import RolloutCorrection
 from common.rewards import load_reward
 from common.tasks import load_task
 
@@ -61,7 +62,7 @@ class Precision:
     frozen_dtype: str                   # PPO's reward model (forward only): bf16 halves it; the reference
                                         # takes the policy's dtype (common/models.py load_reference)
     engine_dtype: str                   # vLLM's weights
-    vllm_is_cap: float                  # C of the truncated importance weights: 2 under bf16, off in fp32
+    rollout_correction: RolloutCorrection  # for the engine's numerics: token-truncate C 2 under bf16, off in fp32
 
     def autocast(self, device: str):
         """with precision.autocast(device): the block under bf16 autocast, or as it is (fp32)."""
@@ -72,10 +73,14 @@ class Precision:
         bf16 = args.precision == "bf16" or (args.precision == "auto" and device == "cuda")
         need(not (bf16 and device == "mps") or torch.backends.mps.is_macos_or_newer(14, 0),
              "--precision bf16 on an Apple GPU (mps) needs macOS 14 or newer: use --precision fp32")
-        # vLLM and the trainer differ by ~1e-2 in bf16, ~1e-5 in fp32 (an explicit --vllm-is-cap wins)
-        cap = args.vllm_is_cap if args.vllm_is_cap is not None else (2.0 if bf16 else 0.0)
+        # vLLM and the trainer differ by ~1e-2 in bf16, ~1e-5 in fp32: --rollout-correction auto corrects bf16's
+        mode = args.rollout_correction
+        if mode == "auto":
+            mode = "token-truncate" if bf16 else "off"
+        correction = RolloutCorrection.of(mode, args.rollout_correction_cap, args.rollout_correction_low,
+                                          args.rollout_correction_high)
         return cls(torch.bfloat16 if bf16 else None, "bfloat16" if bf16 else args.dtype,
-                   "bfloat16" if bf16 else "float32", cap)
+                   "bfloat16" if bf16 else "float32", correction)
 
 
 def engine_options(args, max_prompt_len: int, precision: Precision) -> dict:

@@ -171,8 +171,10 @@ def _math_verify_timeout() -> int | None:
     """math-verify times out a slow parse with SIGALRM (signal.alarm), which works in the main
     thread only, and would replace a running timer and cancel it on return: None (no timeout of its
     own) in a worker thread, or within --reward-timeout's limit (common/rewards.py time_limit), which
-    then bounds the whole call; else 5 s."""
-    if threading.current_thread() is not threading.main_thread() or signal.getitimer(signal.ITIMER_REAL)[0] > 0:
+    then bounds the whole call, or where there is no SIGALRM (Windows: math-verify would start a process a
+    parse); else 5 s."""
+    if (threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGALRM")
+            or signal.getitimer(signal.ITIMER_REAL)[0] > 0):
         return None
     return 5
 

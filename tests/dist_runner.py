@@ -1,6 +1,7 @@
 """Several script runs in one torchrun launch, sharing one vLLM engine per rank (an engine
-takes seconds to start): `torchrun --nproc-per-node 2 tests/dist_runner.py RUNS.json`, where
-RUNS.json is a list of [script, flag, ...]. Each run is the script's main() on its parsed
+takes seconds to start; a run with --engine transformers gets its own):
+`torchrun --nproc-per-node 2 tests/dist_runner.py RUNS.json`, where RUNS.json is a list of
+[script, flag, ...]. Each run is the script's main() on its parsed
 command line, as its __main__ runs it. Each rank writes its pid to RUNS.json's folder
 (pid_RANK), so a test can signal one rank.
 
@@ -137,10 +138,15 @@ def main(spec: str) -> None:
     os.chdir(ROOT)  # the scripts' default model is a relative path
     dist.init()  # before the engine, as in the scripts
     Path(spec).with_name(f"pid_{dist.rank()}").write_text(str(os.getpid()))
-    engine = create_engine("models/tiny-sort", seed=dist.rank(), max_model_len=MAX_MODEL_LEN, sleep_mode=False)
+    engine = None  # vLLM's, started at the first run that asks for it
 
     def shared_engine(name_or_path, **kwargs):
+        nonlocal engine
+        if kwargs.get("engine", "vllm") != "vllm":  # the transformers engine starts in no time: the run's own
+            return create_engine(name_or_path, **kwargs)
         assert kwargs["max_model_len"] <= MAX_MODEL_LEN, kwargs
+        if engine is None:
+            engine = create_engine("models/tiny-sort", seed=dist.rank(), max_model_len=MAX_MODEL_LEN, sleep_mode=False)
         return engine
 
     for script, *flags in json.loads(Path(spec).read_text()):

@@ -29,12 +29,14 @@ from common import dist  # noqa: E402
 from common.models import load_policy, load_tokenizer  # noqa: E402
 from common.batch import draw_minibatches, make_batch  # noqa: E402
 from common.metrics import update_metrics  # noqa: E402
+from common.ops import RolloutCorrection  # noqa: E402
 from common.setup import Precision  # noqa: E402
 
 TINY_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "tiny-sort")
 G, NUM_PROMPTS, MICRO = 4, 2, 3  # micro-batches of 3 rows: one process and each rank cut the batch differently
-FP32 = Precision(None, "float32", "float32", vllm_is_cap=0.0)  # vLLM's log-probs are pi_old's here: no weights
-PRECISIONS = {"fp32": FP32, "bf16": Precision(torch.bfloat16, "bfloat16", "bfloat16", vllm_is_cap=0.0)}
+OFF = RolloutCorrection("off")  # vLLM's log-probs are pi_old's here: no weights
+FP32 = Precision(None, "float32", "float32", rollout_correction=OFF)
+PRECISIONS = {"fp32": FP32, "bf16": Precision(torch.bfloat16, "bfloat16", "bfloat16", rollout_correction=OFF)}
 CASES = ("grpo:token-mean", "grpo:seq-mean-token-mean", "reinforce", "ppo")
 
 

@@ -5,7 +5,8 @@ minute: ranks that fall out of step fail fast instead of waiting for each other 
 JOB transformers: the transformers engine on a policy sharded with FSDP2. Each case is a whole batch
 of requests (prompt, max_tokens) and how many of them rank 0 holds (rank 1 the rest; one process: all):
 budgets that differ between the ranks, as grpo_multiturn.py's episodes' do, and a rank with no request
-at all. No stop token, so every sample runs to its own budget. Then the greedy evaluation of a small
+at all, and one prompt on both ranks (each rank must draw its own noise). No stop token, so every
+sample runs to its own budget. Then the greedy evaluation of a small
 split, a few prompts a batch. Rank 0 saves the samples of every case, the evaluation's metrics and the
 sizes of the batches each rank decoded.
 
@@ -33,7 +34,8 @@ from tests.conftest import TINY_MODEL  # noqa: E402
 from tests.dist_worker import FP32  # noqa: E402
 
 CASES = {"unequal budgets": ([("sort 4410236:", 12), ("sort 907:", 3), ("sort 61:", 3)], 1),
-         "a rank without requests": ([("sort 52813:", 12), ("sort 4410236:", 5)], 2)}
+         "a rank without requests": ([("sort 52813:", 12), ("sort 4410236:", 5)], 2),
+         "the same prompt on both ranks": ([("sort 52813:", 12), ("sort 52813:", 12)], 1)}
 EVAL = make_sort_task(num_train=1, num_eval=11, reward_fn=sort_partial_reward)  # 11 prompts: uneven shares
 
 
@@ -53,7 +55,8 @@ def same_prompt(tokenizer) -> dict:
     seed = 0
     llm = create_engine(TINY_MODEL, seed=seed + dist.rank(), max_model_len=64, sleep_mode=False)  # engine_options'
     seed_everything(seed, dist.rank())  # the scripts' line, after the engine
-    args = type("Args", (), {"engine": "vllm", "completions_per_prompt": 8, "temperature": 1.0, "max_new_tokens": 12})
+    args = type("Args", (), {"engine": "vllm", "completions_per_prompt": 8, "temperature": 1.0, "top_p": 1.0,
+                                   "top_k": 0, "max_new_tokens": 12})
     ids = encode_prompts(tokenizer, ["sort 52813:"], True, None)
     outputs = llm.generate([{"prompt_token_ids": ids[0]}], sampling_params(args, tokenizer), use_tqdm=False)
     return {"completions": dist.all_gather_objects([[c.token_ids for c in outputs[0].outputs]])}

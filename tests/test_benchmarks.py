@@ -411,6 +411,29 @@ def test_step_time_medians_of_steady_steps_by_hand():
     assert lines[3] == "| new | 2 | 3.00 | 1.5 | 30.0 | 2.00x |"
 
 
+
+@pytest.mark.parametrize("threads, expected", [("all", None), ("1", "1")])
+def test_step_time_runs_each_variant_with_its_thread_count(tmp_path, monkeypatch, threads, expected):
+    """--threads: OMP_NUM_THREADS as the variant says, or unset (all: torch's default) even where the
+    caller's environment sets it."""
+    from benchmarks import step_time
+
+    seen = {}
+
+    def fake_run(cmd, cwd, env, stdout, stderr):
+        seen["threads"] = env.get("OMP_NUM_THREADS")
+        out = tmp_path / "run"
+        assert cmd[-2:] == ["--output-dir", str(out)]
+        out.mkdir()
+        (out / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, "time/step": 1.0}\n')
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.setattr(step_time.subprocess, "run", fake_run)
+    assert step_time.run_once(tmp_path, ["grpo.py"], tmp_path / "run", threads=threads) == [
+        {"step": 1, "time/step": 1.0}]
+    assert seen["threads"] == expected
+
 def test_trl_does_the_work_of_grpo_py():
     """vs_trl.py gives TRL grpo.py's batching: a round of prompts x completions rows in
     num_minibatches optimizer steps of micro-batches; TRL generates every steps_per_generation

@@ -268,12 +268,13 @@ def test_two_ranks_given_the_same_prompt_sample_different_completions(tmp_path):
     assert rank_0 != rank_1
 
 
-@needs_vllm
-def test_a_resumed_two_process_run_samples_as_the_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("engine", [pytest.param("vllm", marks=needs_vllm), "transformers"])
+def test_a_resumed_two_process_run_samples_as_the_uninterrupted_one(tmp_path, engine):
     """Each rank saves its own generators' state in a checkpoint and resumes it: step 2 of a run
     resumed from step 1 under 2 processes samples what the uninterrupted run sampled (the same
-    rewards and lengths), rank 1 included, which a checkpoint of rank 0's state alone would not give."""
-    flags = [*SMALL, "--temperature", "1.5", "--log-completions", "0"]
+    rewards and lengths), rank 1 included, which a checkpoint of rank 0's state alone would not give;
+    with either engine (the transformers engine seeds each sample by its place in the run's samples)."""
+    flags = [*SMALL, "--temperature", "1.5", "--log-completions", "0", "--engine", engine]
     runs = [["grpo.py", "--steps", "2", "--save-every", "1", "--output-dir", tmp_path / "whole", *flags],
             ["grpo.py", "--resume", tmp_path / "whole" / "checkpoints" / "step_1", "--output-dir", tmp_path / "resumed"]]
     spec = tmp_path / "runs.json"

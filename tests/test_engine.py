@@ -176,7 +176,8 @@ def test_ranks_with_unequal_budgets_or_no_request_decode_in_step_and_sample_the_
     decode step with the others, so both finish (a rank out of step fails at the worker's 60-second
     process-group timeout, not 30 minutes later), and they sample what one process samples. The
     evaluation, each rank its share of the split a few prompts a batch, gives the metrics of one
-    process, which are those of the whole split in one batch; and counts as one engine call."""
+    process, which are those of the whole split in one batch; and counts as one engine call. One prompt
+    given to both ranks gets other completions on each (the vLLM twin: tests/test_dist.py)."""
     from tests.test_dist import torchrun
 
     one = subprocess.run([sys.executable, "tests/engine_worker.py", "transformers", tmp_path / "one.pt"], cwd=ROOT,
@@ -187,17 +188,23 @@ def test_ranks_with_unequal_budgets_or_no_request_decode_in_step_and_sample_the_
     assert two.returncode == 0, output[-3000:]
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert (one["world_size"], two["world_size"]) == (1, 2)
-    for case in ("unequal budgets", "a rank without requests"):
+    lengths = {"unequal budgets": [12, 12, 3, 3, 3, 3], "a rank without requests": [12, 12, 5, 5],
+               "the same prompt on both ranks": [12, 12, 12, 12]}  # no stop token: each to its own budget
+    for case in lengths:
         for call in (0, 1):
             ones, twos = one[case, call], two[case, call]
-            assert [len(ids) for ids, _ in ones] == [12, 12, 3, 3, 3, 3] if case == "unequal budgets" else \
-                [len(ids) for ids, _ in ones] == [12, 12, 5, 5]  # no stop token: each to its own budget
+            assert [len(ids) for ids, _ in ones] == lengths[case]
             assert [ids for ids, _ in twos] == [ids for ids, _ in ones], (case, call)
             for (_, lp1), (_, lp2) in zip(ones, twos):
                 assert lp2 == pytest.approx(lp1, abs=1e-5)
         assert one[case, 1] != one[case, 0]  # the next call samples anew
+    # each sample is seeded by its place in the whole batch: rank 1's two samples of the prompt are not rank 0's
+    # (the tiny model sorts well, so one sample of each rank may be the same right answer)
+    for call in (0, 1):
+        samples = [ids for ids, _ in two["the same prompt on both ranks", call]]
+        assert samples[:2] != samples[2:]
     assert 0 < one["eval"]["eval/reward_mean"] < 1
     assert two["eval"] == one["eval"] == one["eval, one batch"]
     # 11 prompts, at most 2 a rank at once: cuts of 4, 4 and 3 shared by the ranks; in one process 6 batches
     assert two["eval batches"] == [[2, 2, 2], [2, 2, 1]] and one["eval batches"] == [[2, 2, 2, 2, 2, 1]]
-    assert two["eval calls"] == one["eval calls"] == 5  # 4 calls sampled, the evaluation
+    assert two["eval calls"] == one["eval calls"] == 7  # 6 calls sampled, the evaluation

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from common.scripts import algorithm_scripts
 from tests.conftest import ROOT, pythonpath, TINY_MODEL, logprob_tolerance, read_optimizer_state
 
 SMALL = ["--prompts-per-step", "4", "--completions-per-prompt", "4", "--num-minibatches", "2",
@@ -18,7 +19,7 @@ SMALL = ["--prompts-per-step", "4", "--completions-per-prompt", "4", "--num-mini
 STEP_METRICS = ["reward/mean", "reward/std", "response/length_mean", "kl/ref", "loss/total", "policy/clip_frac",
                 "policy/entropy", "optim/grad_norm", "optim/lr", "time/rollout", "time/train", "time/sync",
                 "throughput/tokens_per_s", "rollout/logprob_mismatch", "rollout/is_weight_mean",
-                "rollout/is_capped_frac", "memory/peak_gib", "memory/engine_gib"]
+                "rollout/is_ratio_min", "rollout/is_truncated_frac", "rollout/is_seq_masked_frac", "memory/peak_gib", "memory/engine_gib"]
 
 
 def run_script(script: str, *flags: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -138,3 +139,34 @@ def test_one_update_per_batch_takes_old_logprobs_from_the_update(tmp_path, run_m
     for m in read_metrics(out)[1:]:
         assert 0 < m["rollout/logprob_mismatch"] < logprob_tolerance(args)
         assert m["rollout/is_weight_mean"] == pytest.approx(1.0, abs=10 * logprob_tolerance(args))
+
+
+@pytest.mark.parametrize("script", algorithm_scripts())
+def test_top_k_top_p_the_trainer_scores_what_the_engine_sampled(tmp_path, run_main, monkeypatch, script):
+    """Under --top-k / --top-p every script's log-probs are those of the engine's truncated sampler
+    (its processed log-probs): the mismatch stays at the precision's size. Scored over the full
+    vocabulary instead (the truncation off in the trainer only), the same run's tokens disagree by
+    far more. And every log-prob the script computes (old, reference, the update's) is of the truncation."""
+    import inspect
+
+    import common.ops
+    from common.scripts import load_script
+
+    module, truncations = load_script(script), []
+    for name in ("forward_logprobs", "batched_logprobs"):
+        def recorded(*a, _fn=getattr(common.ops, name), **k):
+            bound = inspect.signature(_fn).bind(*a, **k)
+            bound.apply_defaults()
+            truncations.append((_fn.__name__, bound.arguments["top_k"], bound.arguments["top_p"]))
+            return _fn(*a, **k)
+        monkeypatch.setattr(module, name, recorded)
+    flags = ["--steps", "1", "--eval-every", "0", "--save-every", "0", "--prompts-per-step", "4",
+             "--completions-per-prompt", "4", "--max-new-tokens", "10", "--temperature", "1.5", "--top-k", "4",
+             "--top-p", "0.8"]  # the flags every script has
+    args = run_main(script, *flags, "--output-dir", tmp_path / "truncated")
+    assert read_metrics(tmp_path / "truncated")[-1]["rollout/logprob_mismatch"] < logprob_tolerance(args)
+    assert {"forward_logprobs"} <= {name for name, _, _ in truncations}  # the update's own
+    assert {(k, p) for _, k, p in truncations} == {(4, 0.8)}
+    monkeypatch.setattr(common.ops, "top_k_top_p_mask", lambda logits, top_k, top_p: torch.ones_like(logits, dtype=bool))
+    run_main(script, *flags, "--output-dir", tmp_path / "full")
+    assert read_metrics(tmp_path / "full")[-1]["rollout/logprob_mismatch"] > 0.05

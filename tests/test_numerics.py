@@ -13,6 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import ppo
 from common.batch import draw_minibatches
 from common.metrics import update_metrics
+from common.ops import RolloutCorrection
 from common.scripts import algorithm_scripts, load_script, update_inputs
 from common.setup import Precision
 from tests.conftest import TINY_MODEL
@@ -105,7 +106,7 @@ def test_dropout_is_off_whatever_the_config_says(tmp_path, tokenizer):
 @pytest.mark.slow
 def test_bf16_path_learns_on_the_cpu_with_a_bf16_sized_mismatch(tmp_path):
     """--precision bf16 on the CPU: vLLM in bfloat16, the trainer under bfloat16 autocast
-    (fp32 weights), truncated importance sampling on by default: what a GPU runs, as close as
+    (fp32 weights), truncated importance sampling (--rollout-correction auto) on by default: what a GPU runs, as close as
     this machine gets. It learns, and vLLM's log-probs differ from the trainer's by a bf16
     amount (fp32: ~1e-6), which the importance weights then carry."""
     from tests.test_grpo_e2e import read_metrics, run_script
@@ -150,7 +151,7 @@ def call_update(script, policy, critic, batch: dict, optimizer, scheduler, **fla
     module = load_script(script)
     args = module.Args(**{"kl_coef": 0.0, "loss_agg": "token-mean", "max_grad_norm": 1e9, **flags})
     available = {"policy": policy, "optimizer": optimizer, "scheduler": scheduler, "args": args,
-                 "precision": Precision(None, "float32", "float32", vllm_is_cap=2.0), **batch}
+                 "precision": Precision(None, "float32", "float32", RolloutCorrection.of("token-truncate")), **batch}
     if critic is not None:
         available["critic"] = critic
     torch.manual_seed(0)  # the minibatch permutation

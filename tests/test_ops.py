@@ -1,10 +1,12 @@
 """Log-probs of completion tokens and the four loss aggregations, against direct computations."""
 
+import math
+
 import pytest
 import torch
 
-from common.batch import make_batch
-from common.ops import aggregate, batched_logprobs, forward_logprobs
+from common.batch import completion_hidden_states, make_batch
+from common.ops import aggregate, batched_logprobs, forward_logprobs, output_layer, top_k_top_p_mask
 
 
 def reference_logprobs(model, ids: list[int], num_completion: int, temperature: float) -> torch.Tensor:
@@ -56,6 +58,109 @@ def test_entropy_in_slices_and_gradient_through_the_in_place_temperature(tiny_po
     torch.testing.assert_close(logprobs[0], expected_logprobs.detach(), atol=1e-5, rtol=1e-5)
     grad = torch.autograd.grad(logprobs.sum(), tiny_policy.lm_head.weight)[0]
     torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-4)
+
+
+def kept(logits: list[float], top_k: int = 0, top_p: float = 1.0) -> list[int]:
+    """The token ids top_k_top_p_mask keeps of one row of logits."""
+    return top_k_top_p_mask(torch.tensor([logits]), top_k, top_p)[0].nonzero().flatten().tolist()
+
+
+def test_top_k_top_p_mask_hand_computed():
+    """vLLM's rule: top-k keeps every logit tied with the k-th largest; top-p runs after top-k, on its
+    renormalized distribution, and keeps the most likely token always."""
+    assert kept([3.0, 2.0, 2.0, 1.0, 0.0], top_k=2) == [0, 1, 2]  # 2 tied with the 2nd largest: both stay
+    assert kept([0.0, 1.0, 2.0], top_k=1) == [2]
+    assert kept([0.0, 1.0, 2.0], top_k=3) == kept([0.0, 1.0, 2.0]) == [0, 1, 2]  # k >= V: off
+    probs = [0.5, 0.2, 0.15, 0.1, 0.05]
+    logits = torch.tensor(probs).log().tolist()
+    # top-p 0.6 alone: ascending cumulative 0.05, 0.15, 0.30 <= 0.4 dropped, 0.50 kept
+    assert kept(logits, top_p=0.6) == [0, 1]
+    # top-k 2 first: 0.5 / 0.7 and 0.2 / 0.7 = 0.286 <= 0.4, dropped (top-p first, then top-k, would keep 2)
+    assert kept(logits, top_k=2, top_p=0.6) == [0]
+    assert kept(logits, top_k=3, top_p=0.6) == [0, 1]  # 0.15 / 0.85 = 0.18 <= 0.4 < 0.41
+    assert kept(logits, top_p=0.01) == [0]  # the most likely token stays whatever p
+    assert kept([0.0, 0.0], top_p=0.01) in ([0], [1])  # of two tied, one
+    # ties under top-p: e / (2e + 1) = 0.42 each and 0.16; at p 0.5 both tied stay, at p 0.3 one of them
+    assert kept([1.0, 1.0, 0.0], top_p=0.5) == [0, 1]
+    assert kept([1.0, 1.0, 0.0], top_p=0.3) in ([0], [1])
+
+
+def test_top_k_top_p_mask_is_vllms():
+    """The same kept set as vLLM's own apply_top_k_top_p on random rows (rounded: many ties), for
+    top-k, top-p and both."""
+    sampler = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler", reason="needs vLLM")
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        V = int(torch.randint(2, 200, (), generator=g))
+        logits = torch.randn(5, V, generator=g) * 4
+        logits = logits.round() if trial % 2 else logits
+        k, p = [(7, 1.0), (0, 0.8), (20, 0.9), (1, 0.5), (V - 1, 0.95)][trial % 5]
+        k = min(k, V)
+        ours = top_k_top_p_mask(logits, k, p)
+        theirs = sampler.apply_top_k_top_p(logits.clone(), torch.full((5,), k if 0 < k < V else V, dtype=torch.int32)
+                                           if 0 < k < V else None, torch.full((5,), p) if p < 1 else None)
+        assert torch.equal(ours, theirs > float("-inf")), (trial, k, p)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (0, 0.8), (3, 0.8)])
+def test_truncated_logprobs_entropy_and_gradient_are_the_renormalized_distributions(tiny_policy, tokenizer,
+                                                                                   top_k, top_p):
+    """With --top-k / --top-p the log-probs are log_softmax over the kept tokens of logits / T, their
+    entropy that distribution's, the gradient that of the renormalized log-prob; a token the truncation
+    drops keeps its place in the normalizer (finite, below its full-softmax log-prob's share)."""
+    ids = tokenizer("sort 52813:12358")["input_ids"]
+    input_ids, attention_mask, _ = make_batch([ids[:11]], [ids[11:]], tokenizer.pad_token_id, "cpu")
+    T, C = 2.0, len(ids) - 11  # hot enough that the truncation drops some mass
+    tokens = torch.tensor(ids[11:])
+    logits = tiny_policy(torch.tensor([ids])).logits[0, 10:-1].float() / T
+    keep = top_k_top_p_mask(logits.detach(), top_k, top_p)
+    assert (keep.sum(-1) < logits.shape[-1]).all()
+    keep[torch.arange(C), tokens] = True
+    log_z = torch.stack([row[k].logsumexp(-1) for row, k in zip(logits, keep)])  # over the kept set, by hand
+    expected_logprobs = logits.gather(-1, tokens[:, None])[:, 0] - log_z
+    p = [torch.softmax(row[k], -1) for row, k in zip(logits.detach(), keep)]
+    expected_entropy = torch.stack([-(q * q.log()).sum() for q in p])
+    expected_grad = torch.autograd.grad(expected_logprobs.sum(), tiny_policy.lm_head.weight)[0]
+
+    logprobs, entropy = forward_logprobs(tiny_policy, input_ids, attention_mask, C, T, top_p, top_k, with_entropy=True)
+    torch.testing.assert_close(logprobs[0], expected_logprobs.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy[0], expected_entropy, atol=1e-5, rtol=1e-5)
+    grad = torch.autograd.grad(logprobs.sum(), tiny_policy.lm_head.weight)[0]
+    torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-4)
+    full = forward_logprobs(tiny_policy, input_ids, attention_mask, C, T).detach()
+    assert (logprobs[0] >= full[0] - 1e-6).all() and (logprobs[0] > full[0] + 1e-3).any()  # renormalized
+
+    dropped = (~top_k_top_p_mask(logits.detach(), top_k, top_p)[0]).nonzero()[0, 0]  # a token outside the set
+    other = torch.cat([input_ids[:, :-C], dropped.view(1, 1), input_ids[:, -C + 1:]], dim=1)
+    lp, ent = forward_logprobs(tiny_policy, other, attention_mask, C, T, top_p, top_k, with_entropy=True)
+    row = logits[0].detach()
+    in_set = top_k_top_p_mask(row[None], top_k, top_p)[0]
+    in_set[dropped] = True
+    assert lp[0, 0].item() == pytest.approx(float(row[dropped] - row[in_set].logsumexp(-1)), abs=1e-5)
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
+
+
+def test_the_default_sampler_runs_no_truncation_and_gives_the_same_bits(tiny_policy, tokenizer, monkeypatch):
+    """top-p 1 and top-k 0 (the defaults) never reach the truncation, and give bit for bit the log-probs
+    and entropies of the plain log-softmax of logits / T, chunk by chunk as before."""
+    import common.ops
+
+    def never(*a):
+        raise AssertionError("the truncation ran at the default sampler")
+
+    ids = tokenizer("sort 52813:12358")["input_ids"]
+    input_ids, attention_mask, _ = make_batch([ids[:11]], [ids[11:]], tokenizer.pad_token_id, "cpu")
+    C, T = len(ids) - 11, 0.7
+    with torch.no_grad():
+        hidden, _ = completion_hidden_states(tiny_policy, input_ids, attention_mask, C)
+        logits = output_layer(tiny_policy)(hidden).float().div_(T)
+        log_z = torch.logsumexp(logits, dim=-1)
+        before = logits.gather(-1, input_ids[0, -C:, None]).squeeze(-1) - log_z
+        before_entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        monkeypatch.setattr(common.ops, "top_k_top_p_mask", never)
+        logprobs, entropy = forward_logprobs(tiny_policy, input_ids, attention_mask, C, T, with_entropy=True)
+        assert torch.equal(logprobs[0], before) and torch.equal(entropy[0], before_entropy)
+        assert torch.equal(batched_logprobs(tiny_policy, input_ids, attention_mask, C, T, 4), logprobs)
 
 
 def large_vocab_model(architecture: str, vocab_size: int = 50_000):
@@ -514,3 +619,223 @@ def test_cut_micro_batches_of_similar_length_give_the_full_batch_gradient(tiny_p
     assert sum(widths) < 3 * input_ids.shape[1]  # padding was skipped
     for acc, g in zip(g_acc, g_full):
         torch.testing.assert_close(acc, g, atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------
+# --rollout-correction (common/ops.py rollout_correction) and --kl-estimator (kl_loss)
+# ---------------------------------------------------------------------------------------
+
+# two sequences, the first with one padding token: log rho = [0.5, -1, 0] and [0.1, -0.2, 0.2, 0]
+OLD = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-1.0, -1.2, -0.8, -1.0]])
+ENGINE = torch.tensor([[-1.5, -1.0, -0.5, 0.0], [-1.1, -1.0, -1.0, -1.0]])
+SAMPLED = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+E = math.exp
+
+
+@pytest.mark.parametrize("mode,thresholds,expected", [
+    ("off", {}, [[1, 1, 1, 1], [1, 1, 1, 1]]),
+    ("token-truncate", {"cap": 1.2}, [[1.2, E(-1), 1, 1], [E(0.1), E(-0.2), 1.2, 1]]),
+    ("token-mask", {}, [[E(0.5), 0, 1, 1], [E(0.1), E(-0.2), E(0.2), 1]]),          # [0.5, 5]
+    ("token-mask", {"low": 0.9, "high": 1.2}, [[0, 0, 1, 1], [E(0.1), 0, 0, 1]]),
+    ("sequence-truncate", {"cap": 1.05}, [[E(-0.5)] * 3 + [1], [1.05] * 4]),
+    ("sequence-mask", {}, [[E(-0.5)] * 3 + [1], [E(0.1)] * 4]),                     # [0.5, 2]
+    ("sequence-mask", {"low": 0.7}, [[0, 0, 0, 1], [E(0.1)] * 4]),
+    ("geometric-mask", {}, [[0, 0, 0, 1], [0, 0, 0, 0]]),            # exp(-1/6), exp(0.025) outside [0.99, 1.01]
+    ("geometric-mask", {"high": 1.03}, [[0, 0, 0, 1], [1, 1, 1, 1]]),
+])
+def test_each_rollout_correction_gives_its_hand_computed_weights(mode, thresholds, expected):
+    """Padding (mask 0) keeps weight 1 in every mode: a geometric mean of the weights (gspo.py) takes no log(0)."""
+    from common.ops import RolloutCorrection, rollout_correction
+
+    weights = rollout_correction(OLD, ENGINE, SAMPLED, RolloutCorrection.of(mode, **thresholds))
+    torch.testing.assert_close(weights, torch.tensor(expected, dtype=torch.float32))
+
+
+def test_each_modes_default_thresholds_are_the_peers():
+    from common.ops import RolloutCorrection
+
+    assert RolloutCorrection.of("token-truncate") == RolloutCorrection("token-truncate", cap=2.0)
+    assert RolloutCorrection.of("sequence-truncate") == RolloutCorrection("sequence-truncate", cap=2.0)
+    assert RolloutCorrection.of("token-mask") == RolloutCorrection("token-mask", low=0.5, high=5.0)  # IcePop
+    assert RolloutCorrection.of("sequence-mask") == RolloutCorrection("sequence-mask", low=0.5, high=2.0)  # Seq-MIS
+    assert RolloutCorrection.of("geometric-mask") == RolloutCorrection("geometric-mask", low=0.99, high=1.01)
+    assert RolloutCorrection.of("off") == RolloutCorrection("off")
+
+
+@pytest.mark.parametrize("mode,long_weight,zero_weight", [
+    ("token-truncate", E(0.05), E(-20)),   # rho 0: its log clamped to -20
+    ("token-mask", E(0.05), 0.0),
+    ("sequence-truncate", 2.0, E(-20)),    # prod_t rho_t = e^200: clamped to e^20, then capped at 2
+    ("sequence-mask", 0.0, 0.0),
+    ("geometric-mask", 0.0, 1.0),          # e^0.05 > 1.01; rho 0's log clamped to -20 moves the mean of
+])                                         # 4,000 only to e^-0.005, inside [0.99, 1.01] (verl's clamp alike)
+def test_a_long_sequence_and_a_zero_ratio_give_finite_weights(mode, long_weight, zero_weight):
+    """A 4,000-token sequence whose product of ratios overflows float32 (e^200), and sequences with one
+    token of rho 0 (old log-prob -inf, or -1e4, the engine's finite): every weight finite, as derived."""
+    from common.ops import RolloutCorrection, rollout_correction
+
+    T = 4000
+    engine = torch.full((3, T), -1.0)
+    old = engine + 0.05
+    old[1:] = engine[1:]
+    old[1, 7], old[2, 7] = -float("inf"), -1e4
+    assert torch.isinf(torch.exp((old[0] - engine[0]).sum()))  # the naive product overflows
+    w = rollout_correction(old, engine, torch.ones(3, T), RolloutCorrection.of(mode))
+    assert torch.isfinite(w).all()
+    torch.testing.assert_close(w[0], torch.full((T,), long_weight))
+    for row in (1, 2):
+        if mode.startswith("token"):
+            assert w[row, 7].item() == pytest.approx(zero_weight) and (w[row, :7] == 1).all()
+        else:  # the whole sequence: its sum of log-ratios is -20 (clamped) + 0
+            torch.testing.assert_close(w[row], torch.full((T,), zero_weight))
+
+
+def test_the_default_correction_is_todays_bit_for_bit():
+    """--rollout-correction auto: in fp32 every weight exactly 1; in bf16 exactly min(rho_t, 2), the
+    truncated importance weights the scripts used before the menu."""
+    import argparse
+
+    from common.ops import rollout_correction
+    from common.setup import Precision
+
+    g = torch.Generator().manual_seed(0)
+    old, engine = -torch.rand(8, 16, generator=g) * 3, -torch.rand(8, 16, generator=g) * 3
+    mask = torch.ones(8, 16)
+    mask[3, 9:] = 0
+    old[3, 9:] = engine[3, 9:] = 0.0  # padding, as the batch has it
+    flags = dict(rollout_correction="auto", rollout_correction_cap=None, rollout_correction_low=None,
+                 rollout_correction_high=None, dtype="float32")
+    fp32 = Precision.of(argparse.Namespace(precision="fp32", **flags), "cpu").rollout_correction
+    bf16 = Precision.of(argparse.Namespace(precision="bf16", **flags), "cpu").rollout_correction
+    assert torch.equal(rollout_correction(old, engine, mask, fp32), torch.ones(8, 16))
+    assert torch.equal(rollout_correction(old, engine, mask, bf16), torch.exp(old - engine).clamp(max=2.0))
+
+
+def grpo_family() -> list[str]:
+    """The scripts whose loss has a KL term to a reference (GRPO's family): their update takes ref_logprobs."""
+    from common.scripts import algorithm_scripts, update_inputs
+
+    return [s for s in algorithm_scripts() if "ref_logprobs" in update_inputs(s)]
+
+
+def family_args(module, **flags):
+    """The script's Args, token-mean aggregation where it has the choice."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(module.Args)}
+    return module.Args(**{k: v for k, v in {"loss_agg": "token-mean", **flags}.items() if k in names})
+
+
+@pytest.mark.parametrize("script", grpo_family())
+def test_masked_tokens_get_exactly_zero_gradient_through_compute_loss(script):
+    """token-mask's weight 0 takes a token out of the policy gradient exactly (in GSPO, through the
+    sequence's geometric mean, its sequence), with no NaN from padding, and the loss's normalizer keeps it."""
+    from common.ops import RolloutCorrection, rollout_correction
+    from common.scripts import load_script
+
+    module = load_script(script)
+    weights = rollout_correction(OLD, ENGINE, SAMPLED, RolloutCorrection.of("token-mask", low=0.9, high=1.2))
+    masked = (weights == 0) & SAMPLED.bool()
+    assert masked.tolist() == [[True, True, False, False], [False, True, True, False]]
+    logprobs = torch.tensor([[-0.9, -1.3, -0.7, 0.0], [-0.4, -0.6, -1.1, -0.8]], requires_grad=True)
+    args = family_args(module, kl_coef=0.0)
+    loss, _ = module.compute_loss(logprobs, logprobs.detach() + 0.01, None, torch.tensor([1.0, -0.5]), weights,
+                                  SAMPLED, args, SAMPLED.sum(), 2)
+    loss.backward()
+    assert torch.isfinite(logprobs.grad).all()
+    assert (logprobs.grad[masked] == 0).all()
+    if script == "gspo.py":  # a sequence's weight is its tokens' geometric mean: both sequences have a 0
+        assert (logprobs.grad == 0).all()
+    else:  # the kept tokens learn
+        assert (logprobs.grad[0, 2] != 0) and (logprobs.grad[1, 0] != 0) and (logprobs.grad[1, 3] != 0)
+    if script == "grpo.py":  # token-mean: the kept tokens' terms over all 7 sampled tokens, masked ones counted
+        ratio = math.exp(-0.01)
+        kept = [(0, 2, 1.0), (1, 0, -0.5), (1, 3, -0.5)]  # (sequence, token, advantage)
+        assert loss.item() == pytest.approx(sum(-ratio * a * weights[i, t].item() for i, t, a in kept) / 7)
+
+
+@pytest.mark.parametrize("script", grpo_family())
+def test_k2_is_gradient_is_the_exact_kl_gradient_and_k3s_is_not(script):
+    """A categorical policy pi = softmax(logits) over 5 categories, pi_old and pi_ref other ones: the exact
+    expectation over y ~ pi_old of the gradient of the script's own compute_loss KL term at y (advantage 0,
+    beta 1) against the closed form of grad_logits KL(pi || pi_ref) = pi * (log pi/pi_ref - KL)."""
+    from common.scripts import load_script
+
+    module = load_script(script)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, generator=g, dtype=torch.float64).requires_grad_()
+    old_logp = torch.log_softmax(torch.randn(5, generator=g, dtype=torch.float64), -1)
+    ref_logp = torch.log_softmax(torch.randn(5, generator=g, dtype=torch.float64), -1)
+    with torch.no_grad():
+        logp = torch.log_softmax(logits, -1)
+        pi = logp.exp()
+        kl_grad = pi * (logp - ref_logp - (pi * (logp - ref_logp)).sum())
+
+    def expected_gradient(estimator: str) -> torch.Tensor:
+        args = family_args(module, kl_coef=1.0, kl_estimator=estimator)
+        total = torch.zeros(5, dtype=torch.float64)
+        for y in range(5):  # one completion of one token: y
+            logprobs = torch.log_softmax(logits, -1)[y].view(1, 1)
+            loss, _ = module.compute_loss(logprobs, old_logp[y].view(1, 1), ref_logp[y].view(1, 1),
+                                          torch.zeros(1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64),
+                                          torch.ones(1, 1), args, 1, 1)
+            total += old_logp[y].exp() * torch.autograd.grad(loss, logits)[0]
+        return total
+
+    torch.testing.assert_close(expected_gradient("k2-is"), kl_grad, rtol=1e-10, atol=1e-12)
+    assert (expected_gradient("k3") - kl_grad).abs().max() > 1e-2
+
+
+def test_rollout_metrics_on_a_crafted_batch():
+    """The raw ratios (per token over the 7 sampled tokens, per sequence), the weights' mean, and the
+    fractions truncated and masked, of the tokens and of the sequences."""
+    from common.metrics import rollout_metrics
+    from common.ops import RolloutCorrection
+
+    rho = [E(0.5), E(-1), 1, E(0.1), E(-0.2), E(0.2), 1]
+    m = {k: float(v) for k, v in rollout_metrics(OLD, ENGINE, SAMPLED,
+                                                 RolloutCorrection.of("token-truncate", cap=1.2)).items()}
+    expected = {"rollout/is_ratio_mean": sum(rho) / 7, "rollout/is_ratio_min": E(-1), "rollout/is_ratio_max": E(0.5),
+                "rollout/is_seq_ratio_mean": (E(-0.5) + E(0.1)) / 2, "rollout/is_seq_ratio_min": E(-0.5),
+                "rollout/is_seq_ratio_max": E(0.1),
+                "rollout/is_weight_mean": (1.2 + E(-1) + 1 + E(0.1) + E(-0.2) + 1.2 + 1) / 7,
+                "rollout/is_truncated_frac": 2 / 7, "rollout/is_seq_truncated_frac": 1.0,  # e^0.5, e^0.2 > 1.2
+                "rollout/is_masked_frac": 0.0, "rollout/is_seq_masked_frac": 0.0}
+    assert m == pytest.approx(expected)
+    masked = rollout_metrics(OLD, ENGINE, SAMPLED, RolloutCorrection.of("sequence-mask", low=0.7))
+    assert float(masked["rollout/is_masked_frac"]) == pytest.approx(3 / 7)  # the first sequence's 3 tokens
+    assert float(masked["rollout/is_seq_masked_frac"]) == 0.5
+    assert float(masked["rollout/is_truncated_frac"]) == 0.0
+
+
+def test_extremes_over_ranks_reduce_by_min_and_max(monkeypatch):
+    """Under torchrun a step's *_min is the whole batch's min, its *_max the max; a mean stays the average."""
+    from common import dist
+
+    ranks = [{"rollout/is_ratio_min": 0.5, "rollout/is_ratio_max": 1.5, "rollout/is_ratio_mean": 1.0},
+             {"rollout/is_ratio_min": 0.8, "rollout/is_ratio_max": 3.0, "rollout/is_ratio_mean": 2.0}]
+    keys = sorted(ranks[0])
+    monkeypatch.setattr(dist, "world_size", lambda: 2)
+    monkeypatch.setattr(dist, "all_sum", lambda x: sum(torch.tensor([r[k] for k in keys], dtype=torch.float64)
+                                                        for r in ranks))
+    signs = {k: -1.0 if k.endswith("_min") else 1.0 for k in keys}
+    extremes = [k for k in keys if not k.endswith("_mean")]
+    monkeypatch.setattr(dist, "all_max", lambda x: torch.stack(
+        [torch.tensor([signs[k] * r[k] for k in extremes], dtype=torch.float64) for r in ranks]).max(0).values)
+    assert dist.mean_over_ranks(ranks[0]) == {"rollout/is_ratio_min": 0.5, "rollout/is_ratio_max": 3.0,
+                                              "rollout/is_ratio_mean": 1.5}
+
+
+def test_vllm_is_cap_is_refused_naming_its_replacement_and_an_old_run_resumes():
+    from common.args import parse_args, upgrade_saved_args
+    from common.errors import ConfigError
+    import grpo
+
+    with pytest.raises(ConfigError, match=r"^--vllm-is-cap is replaced by --rollout-correction token-truncate "
+                                          r"--rollout-correction-cap C"):
+        parse_args(grpo.Args, ["--vllm-is-cap", "3"])
+    assert upgrade_saved_args({"seed": 1, "vllm_is_cap": 3.0}) == {
+        "seed": 1, "rollout_correction": "token-truncate", "rollout_correction_cap": 3.0}
+    assert upgrade_saved_args({"vllm_is_cap": None}) == {"rollout_correction": "auto", "rollout_correction_cap": None}
+    assert upgrade_saved_args({"vllm_is_cap": 0.0}) == {"rollout_correction": "off", "rollout_correction_cap": None}
+    grpo.Args(**upgrade_saved_args({"vllm_is_cap": 3.0}))  # what saved_args builds from an old run.json

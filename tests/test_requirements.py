@@ -43,11 +43,17 @@ def normalized(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def plan(device: str, engine: str = "") -> dict:
-    """setup.sh --plan for a device (and RL_LM_ENGINE): the set it installs and the pins it takes from
-    PyTorch's index."""
-    out = subprocess.run(["bash", str(ROOT / "setup.sh"), "--plan"],
-                         env={**os.environ, "RL_LM_DEVICE": device, "RL_LM_ENGINE": engine},
+# bash as close to macOS's /bin/bash (3.2) as bash 5 gets: bash 4's builtins disabled, 3.2's compatibility
+# level. What it cannot reject (an empty "${a[@]}" under set -u, ${x,,}, ...) test_setup_sh_is_bash_3_2 scans for.
+BASH32 = ["bash", "-c", 'enable -n mapfile readarray && source "$0" "$@"']
+BASH32_ENV = {"BASH_COMPAT": "3.2"}
+
+
+def plan(device: str, engine: str = "", **env: str) -> dict:
+    """setup.sh --plan for a device (and RL_LM_ENGINE, and env, e.g. RL_LM_PLAN_OS), run by BASH32: the set it
+    installs and the pins it takes from PyTorch's index."""
+    out = subprocess.run([*BASH32, str(ROOT / "setup.sh"), "--plan"],
+                         env={**os.environ, **BASH32_ENV, "RL_LM_DEVICE": device, "RL_LM_ENGINE": engine, **env},
                          capture_output=True, text=True, check=True).stdout.splitlines()
     words = [line.split() for line in out]
     return {"files": [w[1] for w in words if w[0] in ("set", "nodeps")],
@@ -133,3 +139,76 @@ def test_the_set_without_vllm_resolves_for_a_mac_and_windows(platform, tmp_path)
     assert sorted(f"{n}=={v}" for n, v in got.items()) == sorted(pins)
     with pytest.raises(AssertionError, match="not on PyPI"):  # the check itself fails on a pin the platform lacks
         resolves(["vllm==0.32.0"], tmp_path, platform=platform)
+
+
+def test_bash32_rejects_bash_4s_builtins(tmp_path):
+    """The check itself: BASH32 fails on mapfile, which bash 3.2 lacks."""
+    (tmp_path / "script.sh").write_text("set -e\nmapfile -t x </dev/null\n")
+    done = subprocess.run([*BASH32, str(tmp_path / "script.sh")], env={**os.environ, **BASH32_ENV},
+                          capture_output=True, text=True)
+    assert done.returncode == 127 and "mapfile: command not found" in done.stderr
+
+
+# what bash 3.2 does not have (bash 4.0-5.2), outside comments
+BASH4 = {
+    "mapfile/readarray": r"\b(mapfile|readarray)\b",
+    "coproc": r"\bcoproc\b",
+    "associative arrays, namerefs": r"\b(declare|typeset|local)\s+-\w*[An]",
+    "case modification": r"\$\{[#!]?\w+(\[[^]]*\])?(\^\^?|,,?)",
+    "${x@Q}-style transformations": r"\$\{\w+(\[[^]]*\])?@\w\}",
+    "|& and &>>": r"\|&|&>>",
+    "case fall-through ;& and ;;&": r";;&|;&\s*$",
+    "[[ -v ]]": r"\[\[\s+-v\b",
+    "wait -n": r"\bwait\s+-n\b",
+    "globstar, lastpipe, EPOCHSECONDS": r"globstar|lastpipe|\bEPOCH(SECONDS|REALTIME)\b",
+    "negative array subscripts": r"\$\{\w+\[-",
+}
+
+
+def test_setup_sh_is_bash_3_2():
+    """macOS runs `bash setup.sh` with bash 3.2: no bash 4 construct, and "${a[@]}" only of an array that is
+    never empty (bash < 4.4 calls an empty one unbound under set -u): one assigned a literal list, never emptied."""
+    code = [line for line in (ROOT / "setup.sh").read_text().splitlines() if not line.lstrip().startswith("#")]
+    text = "\n".join(code)
+    for what, pattern in BASH4.items():
+        assert not re.search(pattern, text, re.M), (what, re.search(pattern, text, re.M).group())
+    used = set(re.findall(r"\$\{#?(\w+)\[[@*]\]", text))
+    literal = set(re.findall(r"^\s*(\w+)=\(\s*\S", text, re.M))
+    assert used <= literal, f"arrays that may be empty: {used - literal}"
+    assert not re.search(r"\w+\+?=\(\s*\)", text)  # none is emptied
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_mac_plans_the_set_without_vllm_and_no_cpu_build(device):
+    """uname's Darwin/arm64 (what a Mac says; RL_LM_PLAN_OS/_ARCH for the plan): the set without vLLM, with
+    torch's plain pin (macOS's wheel), nothing from PyTorch's CPU index. Windows' Git Bash says MINGW64_NT-10.0."""
+    for os_name, arch in [("Darwin", "arm64"), ("MINGW64_NT-10.0-19045", "x86_64")]:
+        p = plan(device, RL_LM_PLAN_OS=os_name, RL_LM_PLAN_ARCH=arch)
+        assert p == {"files": ["requirements-novllm.txt", "requirements-nodeps.txt"], "torch_index": []}
+    assert plan(device, RL_LM_PLAN_OS="Linux", RL_LM_PLAN_ARCH="riscv64")["files"][0] == "requirements-novllm.txt"
+    assert plan(device, RL_LM_PLAN_OS="Linux", RL_LM_PLAN_ARCH="aarch64")["files"][0] != "requirements-novllm.txt"
+
+
+def test_no_source_of_the_cpu_build_is_one_line_naming_the_wheel_and_the_index(tmp_path):
+    """setup.sh's install of the +cpu pin where neither pip's index nor $TORCH_CPU_INDEX has it (two empty
+    local indexes, pip's configuration off), into a throwaway venv (RL_LM_VENV): it stops with one line on
+    stderr naming the pin and the index, and pip's output in the file it names."""
+    index, torch_index, bin_ = tmp_path / "index", tmp_path / "torch-index", tmp_path / "bin"
+    for folder in (index / "pip", torch_index, bin_):  # an index with a page for pip (setup.sh upgrades it) alone
+        folder.mkdir(parents=True)
+    (bin_ / "apt-get").write_text("#!/bin/sh\nexit 1\n")  # tcmalloc's install, where it is missing: skipped
+    (bin_ / "apt-get").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL=index.as_uri(), PIP_DISABLE_PIP_VERSION_CHECK="1",
+               TORCH_CPU_INDEX=torch_index.as_uri(), RL_LM_VENV=str(tmp_path / "venv"), RL_LM_DEVICE="cpu",
+               RL_LM_ENGINE="transformers", PYTHON=sys.executable, PATH=f"{bin_}{os.pathsep}{env['PATH']}")
+    done = subprocess.run(["bash", str(ROOT / "setup.sh")], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    log = re.fullmatch(r"setup\.sh: no source pip can reach offers torch==2\.13\.0\+cpu \(PyTorch's CPU build, on "
+                       + re.escape(torch_index.as_uri())
+                       + r"; set TORCH_CPU_INDEX to a mirror\): pip's output in (\S+)\n", done.stderr)
+    assert log, done.stderr
+    assert "torch==2.13.0+cpu" in open(log.group(1)).read()
+    os.remove(log.group(1))
+    assert (tmp_path / "venv" / "bin" / "python").exists() and not list((tmp_path / "venv").glob(".installed-*"))

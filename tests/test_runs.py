@@ -120,17 +120,21 @@ def test_resume_of_a_run_that_saved_no_checkpoint_says_so(tmp_path):
         parse_args(grpo.Args, ["--resume", str(run)])
 
 
+# Rewards run in a pool of worker processes, so the count of evaluations lives in a file, not in a
+# list that each worker would hold its own copy of.
 FRAGILE_TASK = """
+from pathlib import Path
 from common.tasks import Task
 
 def make_task():
     train = [{"prompt": f"sort {d}:", "answer": "".join(sorted(d))} for d in ("321", "54", "987", "6402")]
-    evaluations = []
+    evaluations = Path(__file__).with_suffix(".evaluations")
 
     def reward(completion, example):
         if example.get("held_out"):
-            evaluations.append(completion)
-            if len(evaluations) > 1:  # the start's evaluation passes, the next one fails
+            with evaluations.open("a") as f:
+                f.write(".")
+            if len(evaluations.read_text()) > 1:  # the start's evaluation passes, the next one fails
                 raise ValueError("cannot read it")
         return float(completion.strip() == example["answer"])
 

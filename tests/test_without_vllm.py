@@ -1,6 +1,8 @@
 """Where vLLM is not installed, and on an Apple GPU: which device (--device), rollout engine (--engine) and
 numerics (--precision) a run picks, with torch's CUDA and MPS answers faked; and that RL_LM_HIDE_VLLM=1
-(tests/hide_vllm) makes this machine one without vLLM, for the suite (.ci/run) and the Pythons it starts."""
+(tests/hide_vllm) makes this machine one without vLLM, for the suite (.ci/run) and the Pythons it starts.
+The laptop's platforms: a checkpoint keeps an Apple GPU's generator, macOS's ru_maxrss is in bytes, and
+without `resource` and SIGALRM (Windows) the modules import and the built-in rewards run."""
 
 import json
 import os
@@ -10,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from common import dist
+from common import dist, metrics, run
 from common.errors import ConfigError
 from common.scripts import algorithm_scripts, load_script
 from common.setup import Precision, choose_engine
@@ -114,3 +116,81 @@ def test_without_vllm_the_readmes_first_command_picks_the_transformers_engine_an
     metrics = read_metrics(tmp_path / "run")
     start, end = metrics[0]["eval/accuracy"], metrics[-1]["eval/accuracy"]
     assert start < 0.5 and end >= start + 0.3, (start, end)
+
+
+def test_a_checkpoint_keeps_an_apple_gpus_generator(machine, monkeypatch):
+    """rng_state() saves torch.mps's generator where an Apple GPU is (faked: a state a tensor), set_rng_state
+    restores it; a checkpoint without one (saved on CPU or CUDA) leaves it as it is."""
+    machine(mps=True)
+    generator = {"state": torch.arange(8, dtype=torch.uint8)}
+    monkeypatch.setattr(torch.mps, "get_rng_state", lambda device="mps": generator["state"].clone())
+    monkeypatch.setattr(torch.mps, "set_rng_state", lambda state, device="mps": generator.update(state=state.clone()))
+    saved = run.rng_state()
+    assert torch.equal(saved["mps"], torch.arange(8, dtype=torch.uint8))
+    generator["state"] = torch.zeros(8, dtype=torch.uint8)  # the generator moves on
+    run.set_rng_state(saved)
+    assert torch.equal(generator["state"], torch.arange(8, dtype=torch.uint8))
+    moved = generator["state"] = torch.ones(8, dtype=torch.uint8)
+    run.set_rng_state({k: v for k, v in saved.items() if k != "mps"})
+    assert generator["state"] is moved
+    machine(mps=False)
+    assert "mps" not in run.rng_state()
+
+
+class FakeResource:
+    RUSAGE_SELF = 0
+
+    def __init__(self, maxrss: int):
+        self.maxrss = maxrss
+
+    def getrusage(self, who):
+        return type("Usage", (), {"ru_maxrss": self.maxrss})()
+
+
+@pytest.mark.parametrize("platform, maxrss", [("linux", 3 * 2**20), ("darwin", 3 * 2**30)])
+def test_peak_memory_reads_ru_maxrss_in_kib_on_linux_and_bytes_on_macos(monkeypatch, platform, maxrss):
+    """3 GiB as getrusage says it on each (KiB on Linux, bytes on macOS); no memory/peak_gib without resource."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "platform", platform)
+    monkeypatch.setattr(metrics, "resource", FakeResource(maxrss))
+    llm = type("LLM", (), {"memory": {"device": 2**29, "allocated": 0}})()
+    assert metrics.memory_metrics(llm) == {"memory/peak_gib": 3.0, "memory/engine_gib": 0.5}
+    monkeypatch.setattr(metrics, "resource", None)
+    assert metrics.memory_metrics(llm) == {"memory/engine_gib": 0.5}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="Linux's /proc")
+def test_peak_memory_is_the_process_high_water_mark():
+    """On Linux, peak_rss() is the kernel's VmHWM (KiB in /proc/self/status), in bytes."""
+    peak = metrics.peak_rss()
+    hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")) * 1024
+    assert peak <= hwm < peak + 2**26  # read after it, so at most a little higher
+
+
+WITHOUT_RESOURCE_AND_SIGALRM = r"""
+import signal, sys
+sys.path.insert(0, ".")
+sys.modules["resource"] = None  # import resource raises ImportError, as on Windows
+for name in ("SIGALRM", "alarm", "setitimer", "getitimer", "ITIMER_REAL"):
+    delattr(signal, name)
+from common import metrics
+from common.rewards import Reward, RewardTerm, format_reward
+from common.tasks import math_reward
+reward = Reward([RewardTerm("format", format_reward, 1.0, "format")], timeout=2.0)
+for _ in range(2):
+    total, parts = reward(["<answer>1</answer>", "no answer"], [{}, {}])
+    print(total.tolist(), parts["timeouts"].tolist())
+print(math_reward("\\boxed{3}", {"answer": "3"}))
+print(metrics.peak_rss(), sorted(metrics.memory_metrics(type("LLM", (), {"memory": {"device": 0}})())))
+"""
+
+
+def test_without_resource_and_sigalrm_the_modules_import_and_the_rewards_run():
+    """As on Windows: `resource` cannot be imported and signal has no SIGALRM. The built-in rewards score, without
+    a time limit, said once; math-verify runs without its own SIGALRM timeout; memory/peak_gib is not logged."""
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_RESOURCE_AND_SIGALRM], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": pythonpath()})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["[1.0, 0.0] [0.0, 0.0]"] * 2 + ["1.0", "None ['memory/engine_gib']"]
+    assert proc.stderr == ("no SIGALRM on this platform (Windows): the built-in rewards and the calculator run "
+                           "without their 2 s time limit\n")
