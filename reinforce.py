@@ -172,6 +172,9 @@ class Args:
     """--resume in the run's own folder from before its later checkpoints or final/: delete those"""
     max_nonfinite_steps: int = 3
     """stop after this many optimizer steps in a row skipped for a NaN or inf loss or gradient"""
+    max_unsynced_steps: int = 2
+    """stop (saving a checkpoint) after this many steps in a row whose vLLM log-probs are far from the
+    policy's (rollout/logprob_mismatch above what the precision explains: weights not synchronized?); 0: never"""
     log_completions: int = 4
     """completions a step written to completions.jsonl with prompt, rewards, advantage (W&B table with --track)"""
     tensorboard: bool = False

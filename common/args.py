@@ -24,7 +24,8 @@ from common.ops import CORRECTION_DEFAULTS
 # giving it again with another value is refused.
 RESUMABLE_CHANGES = ("steps", "eval_every", "save_every", "micro_batch_size", "gradient_checkpointing", "engine",
                      "device", "vllm_gpu_memory_utilization", "vllm_cpu_kv_cache_gib", "vllm_sleep", "tensorboard", "track",
-                     "wandb_project", "log_completions", "max_nonfinite_steps", "reward_timeout")
+                     "wandb_project", "log_completions", "max_nonfinite_steps", "max_unsynced_steps",
+                     "reward_timeout")
 
 
 def parse_args(Args, argv: list[str] | None = None):
@@ -115,6 +116,7 @@ def check_args(args, max_context: int, max_prompt_len: int, min_completions: int
     need(args.eval_every >= 0, f"--eval-every must be >= 0 (0: only at start and end), got {args.eval_every}")
     need(args.save_every >= 0, f"--save-every must be >= 0 (0: only on Ctrl-C), got {args.save_every}")
     need(args.max_nonfinite_steps >= 1, f"--max-nonfinite-steps must be >= 1, got {args.max_nonfinite_steps}")
+    need(args.max_unsynced_steps >= 0, f"--max-unsynced-steps must be >= 0 (0: off), got {args.max_unsynced_steps}")
     need(args.log_completions >= 0, f"--log-completions must be >= 0, got {args.log_completions}")
     need(args.engine != "vllm" or vllm_installed(),
          "vLLM is not installed here: run with --engine transformers (the policy samples itself), or install vLLM")

@@ -1,6 +1,7 @@
 """Nothing non-finite reaches the weights: an optimizer step whose loss or gradient is NaN or inf
 is skipped (and a run that keeps producing them stops), and no checkpoint or final model is
-saved with a non-finite weight."""
+saved with a non-finite weight. And a run whose engine no longer samples from the policy (a
+weight sync lost) stops (SyncGuard)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import torch
 from tqdm import tqdm
 
 from common import dist
+from common.engine import TransformersEngine
 from common.errors import RunError
+from common.setup import Precision
 
 
 def step_if_finite(optimizer, scheduler, step_stats: dict, max_in_a_row: int, loss: float, *grad_norms) -> bool:
@@ -57,3 +60,40 @@ def check_finite_weights(models: dict, weights: dict, what: str) -> None:
         for name, t in (weights.get(model_name) or model.state_dict()).items():
             if t.is_floating_point() and not torch.isfinite(t).all():
                 raise RunError(f"not saving {what}: the {model_name}'s weight {name} is not finite (NaN or inf)")
+
+
+# rollout/logprob_mismatch (mean |engine - trainer| log-prob over the sampled tokens) above which the
+# engine is not sampling from the policy, per the numerics of the two: far above what a working sync
+# gives, far below what a lost one does (measured: docs/runs.md, "the sync guard")
+SYNC_MISMATCH_BOUNDS = {"fp32": 1e-3, "bf16": 0.1}
+
+
+class SyncGuard:
+    """A weight sync that silently does nothing looks like slow learning (TRL, verl and ms-swift each
+    shipped one). After a sync the engine samples from the policy up to its numerics, so each step's
+    rollout/logprob_mismatch (common/metrics.py step_metrics) stays below the bound of the run's
+    numerics (SYNC_MISMATCH_BOUNDS; bf16 under --precision bf16 or --dtype bfloat16); max_in_a_row
+    steps in a row above it stop the run. numerics None (the transformers engine, whose samples are
+    the policy's own: no sync to lose) or max_in_a_row 0: no check."""
+
+    @classmethod
+    def of(cls, args, llm) -> SyncGuard:
+        """The run's guard: --max-unsynced-steps, and the numerics of its engine and trainer."""
+        bf16 = Precision.of(args, args.device).autocast_dtype is not None or args.dtype == "bfloat16"
+        return cls(args.max_unsynced_steps, None if isinstance(llm, TransformersEngine) else "bf16" if bf16 else "fp32")
+
+    def __init__(self, max_in_a_row: int, numerics: str | None):
+        self.max_in_a_row, self.numerics, self.in_a_row = max_in_a_row, numerics, 0
+        self.bound = SYNC_MISMATCH_BOUNDS[numerics] if numerics and max_in_a_row else None
+
+    def check(self, mismatch: float) -> str | None:
+        """After a step: None, or the line that stops the run. Under torchrun mismatch is the mean over
+        ranks (Run.end_step's), so every rank decides alike."""
+        if self.bound is None:
+            return None
+        self.in_a_row = self.in_a_row + 1 if mismatch > self.bound else 0
+        if self.in_a_row < self.max_in_a_row:
+            return None
+        return (f"the engine is not sampling from the policy: weights not synchronized? Its log-probs of its "
+                f"samples were {self.in_a_row} steps in a row far from the policy's (rollout/logprob_mismatch "
+                f"{mismatch:.3g}, above the {self.bound:g} that {self.numerics} numerics explain)")

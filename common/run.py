@@ -32,7 +32,7 @@ from common.curves import write_curves
 from common.engine import evaluate
 from common.interrupt import GracefulInterrupt
 from common.errors import ConfigError, RunError, need
-from common.guard import check_finite_weights
+from common.guard import SyncGuard, check_finite_weights
 from common.models import is_lora, merged_state_dict, save_model
 
 # torch.distributed.checkpoint warns that a save or load without a process group is one process's: as meant
@@ -231,6 +231,7 @@ class Run:
         episodes: a multi-turn script's rollout, which they use (common/engine.py evaluate)."""
         self.llm, self.tokenizer, self.task, self.episodes = llm, tokenizer, task, episodes
         a = self.args
+        self.sync_guard = SyncGuard.of(a, llm)  # end_step stops a run whose engine no longer samples the policy
         if getattr(a, "engine_choice", None):  # --engine auto: which one, and why (common/setup.py choose_engine)
             print(a.engine_choice)
         print(f"{a.exp_name}: {a.model} on {a.task} ({self.launch['device']}, {a.engine} rollouts), {a.steps} "
@@ -275,9 +276,12 @@ class Run:
         """After step `step`: the metrics averaged over ranks, the held-out evaluation when due
         (--eval-every, and the last step), the logs and the progress bar; then a checkpoint when
         due (--save-every) or when Ctrl-C / SIGTERM asked to stop (algorithm_state goes into it),
-        and in that case the exit (130, 143: not a finished run)."""
+        and in that case the exit (130, 143: not a finished run). --max-unsynced-steps steps in a
+        row whose engine did not sample from the policy (common/guard.py SyncGuard) are a RunError,
+        after a checkpoint."""
         a = self.args
         metrics = dist.mean_over_ranks(metrics)
+        unsynced = self.sync_guard.check(float(metrics["rollout/logprob_mismatch"]))
         if (a.eval_every and step % a.eval_every == 0) or step == a.steps:
             try:
                 self.eval_metrics = self.evaluate()
@@ -291,6 +295,9 @@ class Run:
         self.progress.set_postfix(reward=f"{float(metrics['reward/mean']):.3f}",
                                   eval_acc=f"{self.eval_metrics['eval/accuracy']:.3f}",
                                   kl=f"{float(metrics.get('kl/ref', 0.0)):.4f}")
+        if unsynced:  # the step is kept: resuming it with a fixed sync loses nothing
+            path = self.save_step(step, algorithm_state)
+            raise RunError(f"{unsynced}; stopped after step {step}, saved: --resume {path}")
         stop = self.interrupt.stop()  # under torchrun every rank stops after the same step
         if (a.save_every and step % a.save_every == 0) or stop:
             path = self.save_step(step, algorithm_state)

@@ -1,6 +1,7 @@
-"""The non-finite guard (common/guard.py): an optimizer step whose loss or gradient is NaN or inf
-changes nothing and is counted, a few in a row stop the run in one line, and no checkpoint or
-final model is saved with a non-finite weight."""
+"""The guards (common/guard.py). The non-finite guard: an optimizer step whose loss or gradient is
+NaN or inf changes nothing and is counted, a few in a row stop the run in one line, and no
+checkpoint or final model is saved with a non-finite weight. The sync guard: a run whose engine
+no longer samples from the policy (its weight sync lost) stops in one line after a checkpoint."""
 
 import copy
 import math
@@ -11,9 +12,11 @@ import torch
 
 import grpo
 from common.errors import RunError
-from common.guard import step_if_finite
+from common.engine import TransformersEngine
+from common.guard import SYNC_MISMATCH_BOUNDS, SyncGuard, step_if_finite
 from common.run import Run
 from common.scripts import algorithm_scripts, load_script
+from tests.test_grpo_e2e import SMALL, read_metrics
 from tests.test_numerics import call_update, update_batch
 
 SCRIPTS = algorithm_scripts()
@@ -120,3 +123,72 @@ def test_a_checkpoint_or_final_model_with_a_nonfinite_weight_is_refused(tmp_path
     with pytest.raises(RunError, match=rf"^not saving .*final: the policy's weight {name} is not finite"):
         run.finish(tiny_policy, tokenizer, {"eval/accuracy": 0.5})
     assert not {"checkpoints", "final", "final.tmp", "summary.json"} & set(os.listdir(tmp_path / "run"))
+
+
+# ------------------------------------------------------------------ the sync guard
+
+def test_the_sync_guard_stops_after_max_in_a_row_steps_above_the_bound():
+    guard = SyncGuard(2, "fp32")
+    assert guard.bound == SYNC_MISMATCH_BOUNDS["fp32"] == 1e-3
+    # a working sync (~3e-7), one step above the bound, a good one (the count restarts), then two above
+    assert [guard.check(m) for m in (3e-7, 0.1, 3e-7, 0.1)] == [None] * 4
+    line = guard.check(0.2)
+    assert line == ("the engine is not sampling from the policy: weights not synchronized? Its log-probs of its "
+                    "samples were 2 steps in a row far from the policy's (rollout/logprob_mismatch 0.2, above the "
+                    "0.001 that fp32 numerics explain)")
+    assert SyncGuard(2, "bf16").check(0.09) is None and SyncGuard(1, "bf16").check(0.2) is not None
+
+
+def test_the_sync_guard_is_off_for_the_transformers_engine_and_with_max_unsynced_steps_0(tiny_policy):
+    """The transformers engine samples from the policy itself: no sync to lose, whatever its numerics."""
+    for precision in ("fp32", "bf16"):
+        args = grpo.Args(precision=precision, device="cpu")
+        assert SyncGuard.of(args, TransformersEngine("models/tiny-sort", 0, "float32")).bound is None
+        assert SyncGuard.of(args, object()).numerics == precision  # any other engine: vLLM
+    assert SyncGuard.of(grpo.Args(precision="fp32", dtype="bfloat16", device="cpu"), object()).numerics == "bf16"
+    off = SyncGuard.of(grpo.Args(max_unsynced_steps=0, device="cpu"), object())
+    assert off.bound is None and off.check(10.0) is None
+
+
+def lose_syncs_after_the_first(monkeypatch, module) -> None:
+    """The script's sync_weights does nothing after the first (main's, into the fresh engine): the
+    bug the guard is for (TRL, verl, ms-swift each shipped one)."""
+    sync_weights, calls = module.sync_weights, []
+
+    def lost(llm, policy):
+        calls.append(1)
+        if len(calls) == 1:
+            sync_weights(llm, policy)
+
+    monkeypatch.setattr(module, "sync_weights", lost)
+
+
+@pytest.mark.parametrize("lora", [[], ["--lora-rank", "8"]], ids=["full", "lora"])
+def test_a_run_whose_sync_is_lost_stops_after_a_checkpoint(lora, run_main, tmp_path, monkeypatch):
+    """Step 1 samples from the synced start; steps 2 and 3 from it too, while the policy has moved
+    (under LoRA too, where it moves less): --max-unsynced-steps 2 stops after step 3, saved."""
+    lose_syncs_after_the_first(monkeypatch, load_script("grpo.py"))
+    out = tmp_path / "run"
+    with pytest.raises(RunError) as error:
+        run_main("grpo.py", "--steps", "5", "--eval-every", "0", "--save-every", "0", "--output-dir", out, *lora,
+                 *SMALL)
+    checkpoint = out / "checkpoints" / "step_3"
+    assert str(error.value).startswith("the engine is not sampling from the policy: weights not synchronized? ")
+    assert str(error.value).endswith(f"; stopped after step 3, saved: --resume {checkpoint}")
+    assert "\n" not in str(error.value) and (checkpoint / "trainer_state.pt").is_file()
+    mismatch = [m["rollout/logprob_mismatch"] for m in read_metrics(out)[1:]]
+    assert len(mismatch) == 3 and mismatch[0] < 1e-5 and min(mismatch[1:]) > SYNC_MISMATCH_BOUNDS["fp32"]
+    assert f"rollout/logprob_mismatch {mismatch[2]:.3g}, above the 0.001 that fp32" in str(error.value)
+
+
+def test_a_normal_run_and_a_resumed_lora_run_never_trip_it(run_main, tmp_path):
+    """A working sync keeps every step's gap below the bound: full fine-tuning, LoRA, and LoRA resumed
+    (ms-swift's adapters came back doubled after a resume); each run would stop otherwise."""
+    run_main("grpo.py", "--steps", "3", "--eval-every", "0", "--output-dir", tmp_path / "full", *SMALL)
+    lora = tmp_path / "lora"
+    run_main("grpo.py", "--steps", "2", "--eval-every", "0", "--save-every", "2", "--lora-rank", "8",
+             "--output-dir", lora, *SMALL)
+    run_main("grpo.py", "--resume", lora / "checkpoints" / "step_2", "--steps", "4")
+    for run in (tmp_path / "full", lora):
+        assert all(m["rollout/logprob_mismatch"] < 1e-5 for m in read_metrics(run)[1:])
+    assert [m["step"] for m in read_metrics(lora)] == [0, 1, 2, 3, 4]
