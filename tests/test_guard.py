@@ -165,13 +165,13 @@ def lose_syncs_after_the_first(monkeypatch, module) -> None:
 
 @pytest.mark.parametrize("lora", [[], ["--lora-rank", "8"]], ids=["full", "lora"])
 def test_a_run_whose_sync_is_lost_stops_after_a_checkpoint(lora, run_main, tmp_path, monkeypatch):
-    """Step 1 samples from the synced start; steps 2 and 3 from it too, while the policy has moved
+    """vLLM's engine (skipped where vLLM is absent: the transformers engine has no sync to lose). Step 1 samples from the synced start; steps 2 and 3 from it too, while the policy has moved
     (under LoRA too, where it moves less): --max-unsynced-steps 2 stops after step 3, saved."""
     lose_syncs_after_the_first(monkeypatch, load_script("grpo.py"))
     out = tmp_path / "run"
     with pytest.raises(RunError) as error:
-        run_main("grpo.py", "--steps", "5", "--eval-every", "0", "--save-every", "0", "--output-dir", out, *lora,
-                 *SMALL)
+        run_main("grpo.py", "--engine", "vllm", "--steps", "5", "--eval-every", "0", "--save-every", "0",
+                 "--output-dir", out, *lora, *SMALL)
     checkpoint = out / "checkpoints" / "step_3"
     assert str(error.value).startswith("the engine is not sampling from the policy: weights not synchronized? ")
     assert str(error.value).endswith(f"; stopped after step 3, saved: --resume {checkpoint}")
@@ -184,10 +184,11 @@ def test_a_run_whose_sync_is_lost_stops_after_a_checkpoint(lora, run_main, tmp_p
 def test_a_normal_run_and_a_resumed_lora_run_never_trip_it(run_main, tmp_path):
     """A working sync keeps every step's gap below the bound: full fine-tuning, LoRA, and LoRA resumed
     (ms-swift's adapters came back doubled after a resume); each run would stop otherwise."""
-    run_main("grpo.py", "--steps", "3", "--eval-every", "0", "--output-dir", tmp_path / "full", *SMALL)
+    run_main("grpo.py", "--engine", "vllm", "--steps", "3", "--eval-every", "0", "--output-dir", tmp_path / "full",
+             *SMALL)
     lora = tmp_path / "lora"
-    run_main("grpo.py", "--steps", "2", "--eval-every", "0", "--save-every", "2", "--lora-rank", "8",
-             "--output-dir", lora, *SMALL)
+    run_main("grpo.py", "--engine", "vllm", "--steps", "2", "--eval-every", "0", "--save-every", "2",
+             "--lora-rank", "8", "--output-dir", lora, *SMALL)
     run_main("grpo.py", "--resume", lora / "checkpoints" / "step_2", "--steps", "4")
     for run in (tmp_path / "full", lora):
         assert all(m["rollout/logprob_mismatch"] < 1e-5 for m in read_metrics(run)[1:])
