@@ -438,6 +438,41 @@ def test_step_time_runs_each_variant_with_its_thread_count(tmp_path, monkeypatch
         {"step": 1, "time/step": 1.0}]
     assert seen["threads"] == expected
 
+@pytest.mark.parametrize("every, synced", [(1, [0, 1, 2, 3, 4, 5, 6]), (3, [0, 3, 6]), (0, [0])])
+def test_off_policy_syncs_on_schedule(every, synced):
+    """benchmarks/off_policy.py: main's first sync (into the fresh engine) always happens, then the
+    one after every K-th step (K 0: never again, a lost sync)."""
+    from benchmarks.off_policy import synced_on_schedule
+
+    done = []
+    sync = synced_on_schedule(lambda llm, policy: done.append(policy), every)
+    for trained in range(7):  # main's call, then one after each of 6 steps
+        sync(None, trained)
+    assert done == synced
+
+
+@pytest.mark.slow
+def test_off_policy_end_to_end(tmp_path):
+    """Two steps, the engine synchronized every second: the stale run's second step samples from
+    the initial weights (a gap far above the synced run's), both end synchronized for the final
+    evaluation, and the table and JSON say so."""
+    out = tmp_path / "runs"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "off_policy.py"), "--seeds", "0", "--steps", "2",
+                        "--sync-every", "2", "--precision", "fp32", "--modes", "off", "--out", str(out),
+                        "--json", str(tmp_path / "r.json")], cwd=ROOT, env={**os.environ, "PYTHONPATH": pythonpath()},
+                       capture_output=True, text=True, timeout=1500)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    results = json.loads((tmp_path / "r.json").read_text())["results"]
+    gaps = {}
+    for label in ("synced every step, off", "off"):
+        metrics = [json.loads(line) for line in (out / f"sync{results[label]['sync_every']}-off-seed0" /
+                                                 "metrics.jsonl").read_text().splitlines()]
+        gaps[label] = [m["rollout/logprob_mismatch"] for m in metrics if m["step"] > 0]
+        assert results[label]["seeds"][0]["eval_accuracy"] == metrics[-1]["eval/accuracy"]
+    assert max(gaps["synced every step, off"]) < 1e-4 and gaps["off"][0] < 1e-4 and gaps["off"][1] > 1e-2
+    assert "| off | 2 |" in r.stdout and "| synced every step, off | 1 |" in r.stdout
+
+
 def test_trl_does_the_work_of_grpo_py():
     """vs_trl.py gives TRL grpo.py's batching: a round of prompts x completions rows in
     num_minibatches optimizer steps of micro-batches; TRL generates every steps_per_generation
