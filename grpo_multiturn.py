@@ -129,8 +129,9 @@ class Args:
     """train low-rank adapters of this rank (peft) instead of every weight of the policy; 0: full fine-tuning"""
     lora_alpha: float = 32.0
     """LoRA scale: the adapters add (alpha / rank) * B A to each target weight"""
-    lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    """the policy's modules that get adapters (Llama/Qwen/Mistral names)"""
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
+    """the policy's modules that get adapters: all-linear (peft's: every linear layer but the output
+    layer, whatever the architecture names them), or module names (q_proj v_proj)"""
 
     # algorithm
     eps_low: float = 0.2
@@ -189,7 +190,10 @@ class Args:
     vllm_cpu_kv_cache_gib: int = 1
     """KV cache size on CPU"""
     env_timeout: float = 10.0
-    """seconds the environment may take on one turn, else the episode ends there (counted: env/timeouts)"""
+    """seconds the environment may take on one turn, else the episode ends there (counted: env/timeouts).
+    Worst case, an environment that always hangs: each turn's calls run in parallel, one per worker (the
+    cores, at most 8), so a step of N episodes costs ceil(N / workers) x this (200 held-out episodes on
+    2 cores: 1000 s); a step or evaluation whose every call timed out stops the run, after a checkpoint"""
     reward_timeout: float = 10.0
     """seconds a reward may take on one completion, else it scores 0 (counted: reward/timeouts); 0: no limit"""
     eval_every: int = 10
@@ -258,8 +262,9 @@ def check(args: Args) -> None:
 def run_episodes(llm, env, tokenizer, prompt_ids, examples, args: Args, temperature: float) -> list[Episode]:
     """Step 1: an episode from each prompt (its ids, its example). Each turn the engine continues every
     open episode from its own ids (the ids it sampled and the observations', never re-encoded text), for
-    at most --max-turn-tokens and the budget left; the environment reads each turn and answers, or
-    the episode ends: at the answer (a turn the environment ends), a limit, or an environment timeout."""
+    at most --max-turn-tokens and the budget left; the environment reads the turn's answers (yours in
+    parallel worker processes) and answers each, or the episode ends: at the answer (a turn the
+    environment ends), a limit, or an environment timeout."""
     episodes = [Episode(p, env.start(example)) for p, example in zip(prompt_ids, examples)]
     for turn in range(args.max_turns):
         live = [e for e in episodes if e.ended_by is None]
@@ -272,12 +277,13 @@ def run_episodes(llm, env, tokenizer, prompt_ids, examples, args: Args, temperat
         outputs = llm.generate([{"prompt_token_ids": e.prompt_ids + e.token_ids} for e in live], params,
                                use_tqdm=False)
         for e, out in zip(live, outputs):
-            completion = out.outputs[0]
-            e.add_turn(completion)
-            if completion.finish_reason == "length":  # cut by a limit: truncated
+            e.add_turn(out.outputs[0])
+            if out.outputs[0].finish_reason == "length":  # cut by a limit: truncated
                 e.end("budget" if len(e.token_ids) >= args.max_new_tokens else "turn_tokens")
-                continue
-            step = env.step(e.state, completion.text)
+        answered = [(e, out.outputs[0]) for e, out in zip(live, outputs) if e.ended_by is None]
+        steps = env.steps([e.state for e, _ in answered], [c.text for _, c in answered])  # in parallel
+        for (e, completion), step in zip(answered, steps):
+            e.env_calls += 1
             if step is None:  # past --env-timeout
                 e.end("timeout")
                 continue
@@ -285,8 +291,9 @@ def run_episodes(llm, env, tokenizer, prompt_ids, examples, args: Args, temperat
             if step.observation is None:
                 e.end("answer")
                 continue
-            ids = observation_ids(tokenizer, step.observation, args.chat_template, completion.token_ids)
-            if len(e.token_ids) + len(ids) >= args.max_new_tokens:  # no room left for a reply
+            ids = observation_ids(tokenizer, step.observation, args.chat_template, completion.token_ids,
+                                  room=args.max_new_tokens - len(e.token_ids))
+            if ids is None:  # no room left for a reply
                 e.end("budget")
             elif turn == args.max_turns - 1:
                 e.end("max_turns")
@@ -363,7 +370,7 @@ def main(args: Args) -> None:
 
     def greedy_episodes(prompt_ids, examples):  # the held-out evaluation's rollout: greedy episodes
         episodes = run_episodes(llm, env, tokenizer, prompt_ids, examples, args, temperature=0.0)
-        return [e.answer for e in episodes], episode_metrics(episodes, "eval/")
+        return [e.answer for e in episodes], episode_metrics(episodes, "eval/env/")
 
     run.start(llm, tokenizer, task, greedy_episodes)  # says what runs where, evaluates the starting policy
     G, B = args.completions_per_prompt, args.prompts_per_step // dist.world_size() * args.completions_per_prompt

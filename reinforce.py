@@ -107,8 +107,9 @@ class Args:
     """train low-rank adapters of this rank (peft) instead of every weight of the policy; 0: full fine-tuning"""
     lora_alpha: float = 32.0
     """LoRA scale: the adapters add (alpha / rank) * B A to each target weight"""
-    lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    """the policy's modules that get adapters (Llama/Qwen/Mistral names)"""
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
+    """the policy's modules that get adapters: all-linear (peft's: every linear layer but the output
+    layer, whatever the architecture names them), or module names (q_proj v_proj)"""
 
     # algorithm
     baseline: Literal["none", "batch-mean", "moving-average"] = "batch-mean"

@@ -14,6 +14,7 @@ import typing
 from pathlib import Path
 
 from common import dist
+from common.checkpoints import damage
 from common.errors import ConfigError, RunError, need
 from common.interrupt import StopAtOnce, signal_name
 from common.ops import CORRECTION_DEFAULTS
@@ -207,17 +208,24 @@ def check_script(info: dict, script: str, checkpoint: str) -> None:
 
 
 def find_checkpoint(path: str) -> str:
-    """--resume's folder: a checkpoint (runs/X/checkpoints/step_N), or a run folder (its
-    latest checkpoint). Anything else is one line."""
+    """--resume's folder: a checkpoint (runs/X/checkpoints/step_N), or a run folder (its latest
+    whole checkpoint; a damaged later one is said and skipped). Anything else, a damaged checkpoint
+    included (common/checkpoints.py damage: before any model loads), is one line."""
     path = os.path.expanduser(path.rstrip("/"))
     if path.endswith(".tmp"):
         raise ConfigError(f"--resume {path!r} is a half-written checkpoint (its save did not finish); "
-                          f"resume from a complete one: {latest_checkpoint(os.path.dirname(os.path.dirname(path)))}")
+                          f"resume from a complete one: {latest_checkpoint(run_folder_of(path))}")
     need(os.path.isdir(path), f"--resume {path!r}: no such folder")
     if os.path.isdir(os.path.join(path, "checkpoints")) or os.path.isfile(os.path.join(path, "args.json")):
-        latest = latest_checkpoint(path)  # a run folder (args.json: also one that never saved)
-        need(latest is not None, f"--resume {path!r}: this run saved no checkpoint ({when_saved(path)}), so there "
-                                 f"is nothing to resume: start it again")
+        saved = checkpoints(path)  # a run folder (args.json: also one that never saved)
+        need(saved, f"--resume {path!r}: this run saved no checkpoint ({when_saved(path)}), so there "
+                    f"is nothing to resume: start it again")
+        latest = latest_checkpoint(path)
+        need(latest is not None, f"--resume {path!r}: every checkpoint of this run is damaged (the latest, "
+                                 f"{saved[-1]}: {checkpoint_damage(saved[-1])}): start it again")
+        if latest != saved[-1] and dist.is_main():
+            print(f"--resume {path!r}: its latest checkpoint {saved[-1]} is damaged "
+                  f"({checkpoint_damage(saved[-1])}); resuming from {latest}, the latest whole one", file=sys.stderr)
         return latest
     need(os.path.isfile(os.path.join(path, "trainer_state.pt")),
          f"--resume {path!r} is not a checkpoint folder (no trainer_state.pt)")
@@ -227,7 +235,26 @@ def find_checkpoint(path: str) -> str:
     need(os.path.isdir(os.path.join(path, "optimizer")),
          f"--resume {path!r} was written by an older version of these scripts (no optimizer/ folder): "
          f"start a new run from its weights with --model {path}/policy")
+    why = checkpoint_damage(path)
+    if why:
+        earlier = latest_checkpoint(run_folder_of(path), before=step_of(path))
+        raise ConfigError(f"--resume {path!r} is damaged: {why}; " + (
+            f"the latest whole checkpoint before it: --resume {earlier}" if earlier else
+            "no earlier checkpoint of its run is whole"))
     return path
+
+
+def checkpoint_damage(path: str) -> str | None:
+    """common/checkpoints.py damage(path), once per checkpoint and process while its files stay as
+    they are (--resume asks twice)."""
+    key = (os.path.abspath(path), *sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns)
+                                          for p in Path(path).rglob("*") if p.is_file()))
+    if key not in _DAMAGE:
+        _DAMAGE[key] = damage(path)
+    return _DAMAGE[key]
+
+
+_DAMAGE: dict = {}
 
 
 def when_saved(run_dir: str) -> str:
@@ -241,9 +268,19 @@ def when_saved(run_dir: str) -> str:
                                         "on Ctrl-C or SIGTERM only")
 
 
-def latest_checkpoint(run_dir: str) -> str | None:
-    ckpts = sorted(Path(run_dir, "checkpoints").glob("step_*[0-9]"), key=lambda p: int(p.name[5:]))
-    return str(ckpts[-1]) if ckpts else None
+def checkpoints(run_dir: str) -> list[str]:
+    """The run's checkpoints, oldest first (not a save that died: step_N.tmp)."""
+    return [str(p) for p in sorted(Path(run_dir, "checkpoints").glob("step_*[0-9]"), key=lambda p: step_of(p))]
+
+
+def step_of(checkpoint) -> int:
+    return int(Path(checkpoint).name[len("step_"):])
+
+
+def latest_checkpoint(run_dir: str, before: int | None = None) -> str | None:
+    """The run's latest whole checkpoint (checkpoint_damage), of a step below `before` if given."""
+    return next((c for c in reversed(checkpoints(run_dir)) if (before is None or step_of(c) < before)
+                 and checkpoint_damage(c) is None), None)
 
 
 def read_run_info(checkpoint: str) -> dict:

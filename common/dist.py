@@ -170,16 +170,21 @@ def all_gather_objects(items: list) -> list:
     return [item for part in lists for item in part]
 
 
+def is_count(key: str) -> bool:
+    """A metric that counts events (reward calls past their limit, environment calls and their
+    timeouts): summed over ranks and over an evaluation's parts, never averaged."""
+    return key.endswith(("timeouts", "/calls"))
+
+
 def mean_over_ranks(metrics: dict) -> dict:
     """Each metric averaged over ranks (equal shares: a mean over the batch is exact; std and
-    token-weighted means are the ranks' average), except counts of events on a rank (".../timeouts":
-    reward calls, environment steps), which are summed: the whole batch's, and extremes ("..._min",
-    "..._max"), the whole batch's min and max. One reduction for all, and one more for the extremes."""
+    token-weighted means are the ranks' average), except counts of events on a rank (is_count), which
+    are summed: the whole batch's, and extremes ("..._min", "..._max"), the whole batch's min and max. One reduction for all, and one more for the extremes."""
     if world_size() == 1:
         return metrics
     keys = sorted(metrics)
     values = all_sum(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)).tolist()
-    reduced = {k: v if k.endswith("timeouts") else v / world_size() for k, v in zip(keys, values)}
+    reduced = {k: v if is_count(k) else v / world_size() for k, v in zip(keys, values)}
     extremes = [k for k in keys if k.endswith(("_min", "_max"))]
     if extremes:  # min x = -max(-x): one MAX reduction
         signs = torch.tensor([-1.0 if k.endswith("_min") else 1.0 for k in extremes], dtype=torch.float64)

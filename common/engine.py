@@ -102,6 +102,27 @@ def _quiet_vllm() -> None:
     warnings.filterwarnings("ignore", "`torch.distributed.reduce_op` is deprecated", FutureWarning)
 
 
+def vllm_cannot_run(config, device: str) -> str | None:
+    """Why vLLM (0.32) cannot run this model here, or None. An architecture without a vLLM
+    implementation of its own goes to vLLM's Transformers backend, which fails on some (CTRL: "Current
+    vLLM config is not set") and, where it works (OLMo2, GPT-NeoX), patches the transformers class
+    the trainer then loads in the same process, which fails the same way. On CPU, vLLM's attention
+    takes only some head sizes ("Unsupported CPU attention configuration" after start-up)."""
+    from vllm.model_executor.models.registry import _TEXT_GENERATION_MODELS  # vLLM's own implementations
+
+    arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+    if _TEXT_GENERATION_MODELS.get(arch, ("transformers",))[0] == "transformers":
+        return f"vLLM has no implementation of its own for {arch} (its Transformers backend breaks the trainer's model)"
+    if device == "cpu":
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if head not in sizes:
+            return f"vLLM's CPU attention has no head size {head} (it has {', '.join(map(str, sizes))})"
+    return None
+
+
 def create_engine(name_or_path: str, seed: int, max_model_len: int, dtype: str = "float32",
                   gpu_memory_utilization: float = 0.3, cpu_kv_cache_gib: int = 1,
                   enforce_eager: bool | None = None, sleep_mode: bool = True, engine: str = "vllm"):
@@ -274,11 +295,11 @@ def _evaluate(llm, examples: list[dict], tokenizer, reward, max_new_tokens: int,
 
 def _metrics(parts: list[tuple]) -> dict:
     """The metrics of a split from its parts' (_evaluate's), in the split's order: means over every
-    example (a part's own means weighted by its size), counts (timeouts) summed."""
+    example (a part's own means weighted by its size), counts (dist.is_count) summed."""
     rewards = torch.cat([p[0] for p in parts])
     more = parts[0][2] if len(parts) == 1 else {
-        k: sum(p[2][k] * (1 if k.endswith("timeouts") else p[3]) for p in parts) /
-        (1 if k.endswith("timeouts") else len(rewards)) for k in parts[0][2]}
+        k: sum(p[2][k] * (1 if dist.is_count(k) else p[3]) for p in parts) /
+        (1 if dist.is_count(k) else len(rewards)) for k in parts[0][2]}
     return {"eval/accuracy": (rewards >= 1.0).float().mean().item(), "eval/reward_mean": rewards.mean().item(),
             "eval/timeouts": torch.cat([p[1] for p in parts]).sum().item(), **more}
 

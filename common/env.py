@@ -148,20 +148,36 @@ class CheckedEnv:
             raise ConfigError(f"--env {self.spec!r}: start ran past --env-timeout {self.timeout:g} s") from None
 
     def step(self, state, turn: str) -> Step | None:
-        what = f"step on turn {turn[:80]!r}"
+        return self.steps([state], [turn])[0]
+
+    def steps(self, states: list, turns: list[str]) -> list[Step | None]:
+        """Each episode's step on its turn; None for one past the limit or whose worker died. In workers
+        the calls run in parallel, one a worker: a turn of N hanging calls costs ceil(N / workers) limits."""
         if self.recipe is not None:
-            kind, value = self._in_worker(what, "step", state.value, turn)
-            if kind == DIED:
-                tqdm.write(f"--env {self.spec!r}: its worker died ({value}) in {what}; the episode ended",
-                           file=sys.stderr)
-            if kind != OK:  # past the limit, or its worker died: the episode ends (env/timeouts)
-                return None
-            step, state.value = value
-        else:
+            results = WORKERS.map(self.recipe, [("step", s.value, t) for s, t in zip(states, turns)], self.timeout)
+            steps = []
+            for state, turn, (kind, value) in zip(states, turns, results):
+                what = f"step on turn {turn[:80]!r}"
+                if kind == RAISED:
+                    raise ConfigError(f"--env {self.spec!r}: {what} raised {value}")
+                if kind == DIED:
+                    tqdm.write(f"--env {self.spec!r}: its worker died ({value}) in {what}; the episode ended",
+                               file=sys.stderr)
+                if kind != OK:  # past the limit, or its worker died: the episode ends (env/timeouts)
+                    steps.append(None)
+                    continue
+                step, state.value = value
+                steps.append(self._checked(step, turn))
+            return steps
+        steps = []
+        for state, turn in zip(states, turns):
             try:
-                step = self._call(what, self.env.step, state, turn)
+                steps.append(self._checked(self._call(f"step on turn {turn[:80]!r}", self.env.step, state, turn), turn))
             except RewardTimeout:
-                return None
+                steps.append(None)
+        return steps
+
+    def _checked(self, step, turn: str) -> Step:
         if not isinstance(step, Step) or not (step.observation is None or isinstance(step.observation, str)):
             raise ConfigError(f"--env {self.spec!r}: step returned {str(step)[:80]} on turn {turn[:80]!r}; it must "
                               f"return a Step (from common.env import Step) whose observation is a str or None")
@@ -206,19 +222,36 @@ def load_env(spec: str, task, timeout: float = 0.0, tokenizer=None, chat_templat
     return checked
 
 
-def observation_ids(tokenizer, text: str, chat_template: bool, turn_ids: list[int]) -> list[int]:
-    """An observation's token ids, tokenized once, on its own. With a chat template they are what
+def observation_ids(tokenizer, text: str, chat_template: bool, turn_ids: list[int],
+                    room: int | None = None) -> list[int] | None:
+    """An observation's token ids, tokenized once, on its own; None where they would not leave the
+    model a token of `room` (the episode's budget left), found for a text too long to fit without
+    tokenizing it: a token stands for at most longest_token(tokenizer) characters, so a text of
+    (room + 1) x that many has at least room + 1 tokens, one of which a turn boundary may merge away
+    (a tokenizer whose normalizer deletes characters aside). A 1 MB observation tokenized whole
+    took 2.2 s. With a chat template they are what
     the template puts after an assistant turn's text when a tool message (a user message, where the
     template has no tool role) and the next assistant turn follow: the assistant turn's end, the
     message, the generation prompt, the separators a turn boundary needs (a turn that ended with the
     end-of-turn token, turn_ids' last, already holds that one); without one, the text as it is."""
     from common.models import has_chat_template, stop_token_ids
 
+    if room is not None and len(text) >= (room + 1) * longest_token(tokenizer):
+        return None
     if not (chat_template and has_chat_template(tokenizer)):
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    before, after = observation_frame(tokenizer)
-    ids = tokenizer(before + text + after, add_special_tokens=False)["input_ids"]
-    return ids[1:] if ids[:1] == turn_ids[-1:] and ids[0] in stop_token_ids(tokenizer) else ids
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        before, after = observation_frame(tokenizer)
+        ids = tokenizer(before + text + after, add_special_tokens=False)["input_ids"]
+        ids = ids[1:] if ids[:1] == turn_ids[-1:] and ids[0] in stop_token_ids(tokenizer) else ids
+    return None if room is not None and len(ids) >= room else ids
+
+
+@functools.lru_cache(maxsize=4)
+def longest_token(tokenizer) -> int:
+    """The most characters a token of the vocabulary stands for: its string's length, which is its
+    byte count under byte-level BPE (one character a byte) and its text's under SentencePiece."""
+    return max(len(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))) if t)
 
 
 @functools.lru_cache(maxsize=4)
@@ -258,6 +291,7 @@ class Episode:
     ended_by: str | None = None       # "answer", "turn_tokens", "budget", "max_turns" or "timeout"
     tool_calls: int = 0
     tool_errors: int = 0
+    env_calls: int = 0  # the environment's steps on the episode's turns
 
     def add_turn(self, completion) -> None:
         """The engine's completion (vLLM's CompletionOutput or the transformers engine's)."""
@@ -289,7 +323,8 @@ class Episode:
 
 def episode_metrics(episodes: list[Episode], prefix: str = "env/") -> dict:
     """Means over the episodes: turns, tool calls, tool errors, observation tokens; the fractions
-    that ended by the token budget and by --max-turns; and the count of environment timeouts."""
+    that ended by the token budget and by --max-turns; and the counts of the environment's calls and
+    of those past --env-timeout (summed over ranks: common/dist.py is_count)."""
     n = len(episodes)
     return {f"{prefix}turns_mean": sum(sum(who == "model" for who, _ in e.parts) for e in episodes) / n,
             f"{prefix}tool_calls_mean": sum(e.tool_calls for e in episodes) / n,
@@ -297,4 +332,5 @@ def episode_metrics(episodes: list[Episode], prefix: str = "env/") -> dict:
             f"{prefix}observation_tokens_mean": sum(len(e.model_mask) - sum(e.model_mask) for e in episodes) / n,
             f"{prefix}budget_frac": sum(e.ended_by == "budget" for e in episodes) / n,
             f"{prefix}max_turns_frac": sum(e.ended_by == "max_turns" for e in episodes) / n,
-            f"{prefix}timeouts": float(sum(e.ended_by == "timeout" for e in episodes))}
+            f"{prefix}timeouts": float(sum(e.ended_by == "timeout" for e in episodes)),
+            f"{prefix}calls": float(sum(e.env_calls for e in episodes))}

@@ -1,7 +1,8 @@
 """Nothing non-finite reaches the weights: an optimizer step whose loss or gradient is NaN or inf
 is skipped (and a run that keeps producing them stops), and no checkpoint or final model is
-saved with a non-finite weight. And a run whose engine no longer samples from the policy (a
-weight sync lost) stops (SyncGuard)."""
+saved with a non-finite weight. A run whose engine no longer samples from the policy (a
+weight sync lost) stops (SyncGuard), and so does one whose environment answered none of a step's
+calls (env_stalled)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def check_finite_weights(models: dict, weights: dict, what: str) -> None:
 
 # rollout/logprob_mismatch (mean |engine - trainer| log-prob over the sampled tokens) above which the
 # engine is not sampling from the policy, per the numerics of the two: far above what a working sync
-# gives, far below what a lost one does (measured: docs/runs.md, "the sync guard")
+# gives, far below what a lost one does (measured, benchmarks/off_policy.py --gap: docs/runs.md, "The
+# sync guard"; bf16's working gap is 0.035 on SmolLM2, a lost LoRA sync's crosses 0.1 at step 5)
 SYNC_MISMATCH_BOUNDS = {"fp32": 1e-3, "bf16": 0.1}
 
 
@@ -96,4 +98,17 @@ class SyncGuard:
             return None
         return (f"the engine is not sampling from the policy: weights not synchronized? Its log-probs of its "
                 f"samples were {self.in_a_row} steps in a row far from the policy's (rollout/logprob_mismatch "
-                f"{mismatch:.3g}, above the {self.bound:g} that {self.numerics} numerics explain)")
+                f"{mismatch:.3g}, above the {self.bound:g} that {self.numerics} numerics explain; "
+                f"--max-unsynced-steps 0 turns this check off)")
+
+
+def env_stalled(args, metrics: dict, what: str) -> str | None:
+    """Why the run should stop, where every call of the environment (grpo_multiturn.py's --env) in
+    these metrics (a step's env/..., an evaluation's eval/env/...) ran past --env-timeout or lost
+    its worker: each such call costs the whole limit, and a run of them learns nothing."""
+    prefix = "eval/env/" if what.startswith("evaluating") else "env/"
+    calls = metrics.get(f"{prefix}calls", 0)
+    if calls and metrics[f"{prefix}timeouts"] >= calls:
+        return (f"--env {args.env!r}: every one of its {calls:g} calls {what} ran past --env-timeout "
+                f"{args.env_timeout:g} s (or its worker died)")
+    return None

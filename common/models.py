@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from common import smollm2
+from common import dist, smollm2
 from common.dist import full_tensor
 from common.errors import ConfigError
 from common.hub import hub_reachable
@@ -82,11 +82,27 @@ def check_lora_targets(config, target_modules: tuple[str, ...]) -> None:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     try:
-        get_peft_model(model, LoraConfig(target_modules=list(target_modules)))
+        get_peft_model(model, LoraConfig(target_modules=peft_targets(target_modules)))
     except ValueError as e:
         linear = sorted({name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise ConfigError(f"--lora-target-modules {' '.join(target_modules)}: {str(e).splitlines()[0]} (this "
                           f"{config.model_type} model's linear layers: {', '.join(linear)})") from None
+
+
+def peft_targets(target_modules: tuple[str, ...]) -> str | list[str]:
+    """--lora-target-modules as peft takes it: "all-linear" is its rule (every nn.Linear of the
+    model but the output layer), not a module name."""
+    return "all-linear" if tuple(target_modules) == ("all-linear",) else list(target_modules)
+
+
+def lora_summary(model) -> str:
+    """Which modules got adapters, and how many parameters train: said at the start of a LoRA run."""
+    adapted = sorted({name.rpartition(".")[2] for name, m in model.named_modules() if hasattr(m, "lora_A")})
+    layers = sum(1 for _, m in model.named_modules() if hasattr(m, "lora_A"))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return (f"LoRA: adapters on {', '.join(adapted)} ({layers} layers); {trained:,} of {total:,} parameters train "
+            f"({100 * trained / total:.2f}%)")
 
 
 def load_tokenizer(name_or_path: str):
@@ -200,7 +216,9 @@ def load_policy(name_or_path: str, tokenizer, dtype: str = "float32", device: st
             model = PeftModel.from_pretrained(model, checkpoint, is_trainable=True)
         else:
             model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0,
-                                                     target_modules=list(lora_target_modules)))
+                                                     target_modules=peft_targets(lora_target_modules)))
+        if dist.is_main():
+            print(lora_summary(model))
     return model
 
 

@@ -26,13 +26,14 @@ import torch
 from tqdm import tqdm
 
 from common import dist
-from common.args import check_resume, find_checkpoint, forks, read_run_info, run_folder_of, script_name
+from common.args import (check_resume, checkpoint_damage, find_checkpoint, forks, latest_checkpoint, read_run_info,
+                         run_folder_of, script_name)
 from common.allocator import allocator
 from common.curves import write_curves
 from common.engine import evaluate
 from common.interrupt import GracefulInterrupt
 from common.errors import ConfigError, RunError, need
-from common.guard import SyncGuard, check_finite_weights
+from common.guard import SyncGuard, check_finite_weights, env_stalled
 from common.models import is_lora, merged_state_dict, save_model
 
 # torch.distributed.checkpoint warns that a save or load without a process group is one process's: as meant
@@ -239,6 +240,9 @@ class Run:
         self.eval_metrics = self.evaluate()
         if self.start_step == 0:
             self.log(0, self.eval_metrics)
+        stalled = env_stalled(a, self.eval_metrics, "evaluating the starting policy")
+        if stalled:
+            raise RunError(f"{stalled}; stopped before step {self.start_step + 1}")
         if self.engine_calls is not None:  # the transformers engine seeds each sample by its call count:
             llm.calls = self.engine_calls  # a resumed run samples what the uninterrupted run sampled
 
@@ -277,8 +281,9 @@ class Run:
         (--eval-every, and the last step), the logs and the progress bar; then a checkpoint when
         due (--save-every) or when Ctrl-C / SIGTERM asked to stop (algorithm_state goes into it),
         and in that case the exit (130, 143: not a finished run). --max-unsynced-steps steps in a
-        row whose engine did not sample from the policy (common/guard.py SyncGuard) are a RunError,
-        after a checkpoint."""
+        row whose engine did not sample from the policy (common/guard.py SyncGuard), or a step or
+        evaluation whose environment answered none of its calls (env_stalled), are a RunError, after
+        a checkpoint."""
         a = self.args
         metrics = dist.mean_over_ranks(metrics)
         unsynced = self.sync_guard.check(float(metrics["rollout/logprob_mismatch"]))
@@ -295,9 +300,11 @@ class Run:
         self.progress.set_postfix(reward=f"{float(metrics['reward/mean']):.3f}",
                                   eval_acc=f"{self.eval_metrics['eval/accuracy']:.3f}",
                                   kl=f"{float(metrics.get('kl/ref', 0.0)):.4f}")
-        if unsynced:  # the step is kept: resuming it with a fixed sync loses nothing
+        stalled = env_stalled(a, metrics, f"in step {step}") or \
+            env_stalled(a, metrics, f"evaluating after step {step}")
+        if unsynced or stalled:  # the step is kept: resuming it with a fixed sync or environment loses nothing
             path = self.save_step(step, algorithm_state)
-            raise RunError(f"{unsynced}; stopped after step {step}, saved: --resume {path}")
+            raise RunError(f"{unsynced or stalled}; stopped after step {step}, saved: --resume {path}")
         stop = self.interrupt.stop()  # under torchrun every rank stops after the same step
         if (a.save_every and step % a.save_every == 0) or stop:
             path = self.save_step(step, algorithm_state)
@@ -308,11 +315,17 @@ class Run:
                 sys.exit(self.interrupt.exit_code)
 
     def save_step(self, step: int, algorithm_state: dict) -> str:
-        """checkpoints/step_N of what restore() keeps, and algorithm_state; returns its path."""
+        """checkpoints/step_N of what restore() keeps, and algorithm_state; returns its path, once it
+        reads back whole (common/checkpoints.py): no line recommends resuming from a damaged one."""
         models, optimizer, scheduler, prompt_sampler = self.saved
         state = {"scheduler": scheduler.state_dict(), "prompt_sampler": prompt_sampler.get_state(),
                  "engine_calls": getattr(self.llm, "calls", None), **algorithm_state}
-        return self.save_checkpoint(step, models, self.tokenizer, state, optimizer)
+        path = self.save_checkpoint(step, models, self.tokenizer, state, optimizer)
+        why = dist.on_main(checkpoint_damage, path)
+        if why:
+            raise RunError(f"checkpoint {path} reads back damaged ({why}): is the disk failing? The latest whole "
+                           f"one: {latest_checkpoint(self.dir, before=step) or 'none'}")
+        return path
 
     def say(self, message: str) -> None:
         """One line on stderr, of its own above the progress bar; rank 0's (the ranks decide alike)."""

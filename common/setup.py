@@ -33,6 +33,7 @@ def prepare(args, check, min_completions: int = 2):
                                                         args.chat_template, args.system_prompt))
     check_args(args, config.max_position_embeddings, max_prompt_len, min_completions)
     check(args)
+    check_engine(args, config)  # last: it imports vLLM (seconds), which the engine then needs anyway
     return task, reward_fn, tokenizer, max_prompt_len
 
 
@@ -49,6 +50,21 @@ def choose_engine(args) -> str | None:
                else "vLLM is not installed here: the policy samples itself")
         return f"--engine auto: {args.engine} ({why}), --device {args.device}"
     return None
+
+
+def check_engine(args, config) -> None:
+    """A model vLLM cannot run (common/engine.py vllm_cannot_run): --engine auto takes the transformers
+    engine instead, saying why; --engine vllm is one line naming --engine transformers."""
+    if args.engine != "vllm":
+        return
+    from common.engine import vllm_cannot_run
+
+    why = vllm_cannot_run(config, args.device)
+    if why and getattr(args, "engine_choice", None):  # --engine auto
+        args.engine = "transformers"
+        args.engine_choice = f"--engine auto: transformers ({why}), --device {args.device}"
+        return
+    need(not why, f"--engine vllm cannot run --model {args.model!r}: {why}; run it with --engine transformers")
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,14 @@
 """The guards (common/guard.py). The non-finite guard: an optimizer step whose loss or gradient is
 NaN or inf changes nothing and is counted, a few in a row stop the run in one line, and no
 checkpoint or final model is saved with a non-finite weight. The sync guard: a run whose engine
-no longer samples from the policy (its weight sync lost) stops in one line after a checkpoint."""
+no longer samples from the policy (its weight sync lost) stops in one line after a checkpoint; so
+does a multi-turn run whose environment answered none of a step's or an evaluation's calls."""
 
 import copy
 import math
 import os
+import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ import torch
 import grpo
 from common.errors import RunError
 from common.engine import TransformersEngine
-from common.guard import SYNC_MISMATCH_BOUNDS, SyncGuard, step_if_finite
+from common.guard import SYNC_MISMATCH_BOUNDS, SyncGuard, env_stalled, step_if_finite
 from common.run import Run
 from common.scripts import algorithm_scripts, load_script
 from tests.test_grpo_e2e import SMALL, read_metrics
@@ -135,7 +138,7 @@ def test_the_sync_guard_stops_after_max_in_a_row_steps_above_the_bound():
     line = guard.check(0.2)
     assert line == ("the engine is not sampling from the policy: weights not synchronized? Its log-probs of its "
                     "samples were 2 steps in a row far from the policy's (rollout/logprob_mismatch 0.2, above the "
-                    "0.001 that fp32 numerics explain)")
+                    "0.001 that fp32 numerics explain; --max-unsynced-steps 0 turns this check off)")
     assert SyncGuard(2, "bf16").check(0.09) is None and SyncGuard(1, "bf16").check(0.2) is not None
 
 
@@ -193,3 +196,61 @@ def test_a_normal_run_and_a_resumed_lora_run_never_trip_it(run_main, tmp_path):
     for run in (tmp_path / "full", lora):
         assert all(m["rollout/logprob_mismatch"] < 1e-5 for m in read_metrics(run)[1:])
     assert [m["step"] for m in read_metrics(lora)] == [0, 1, 2, 3, 4]
+
+
+# ------------------------------------------------------------------ an environment that answers nothing
+
+def test_a_step_or_evaluation_whose_every_env_call_timed_out_is_a_stop():
+    args = SimpleNamespace(env="my.py:env", env_timeout=10.0)
+    assert env_stalled(args, {"env/calls": 8.0, "env/timeouts": 8.0}, "in step 3") == (
+        "--env 'my.py:env': every one of its 8 calls in step 3 ran past --env-timeout 10 s (or its worker died)")
+    assert env_stalled(args, {"env/calls": 8.0, "env/timeouts": 7.0}, "in step 3") is None  # one answered
+    assert env_stalled(args, {"env/calls": 0.0, "env/timeouts": 0.0}, "in step 3") is None  # turns cut by limits
+    assert env_stalled(args, {"reward/mean": 1.0}, "in step 3") is None  # a single-turn script
+    evaluated = {"env/calls": 8.0, "env/timeouts": 1.0, "eval/env/calls": 4.0, "eval/env/timeouts": 4.0}
+    assert env_stalled(args, evaluated, "in step 3") is None
+    assert env_stalled(args, evaluated, "evaluating after step 3").startswith("--env 'my.py:env': every one of its 4 ")
+
+
+class TimesOut:
+    """The environment as run_episodes sees it when every call runs past --env-timeout."""
+
+    def __init__(self, env):
+        self.stop, self.start = env.stop, env.start
+
+    def steps(self, states, turns):
+        return [None] * len(turns)
+
+
+MULTITURN = ["--engine", "transformers", "--task", "sort", "--env", "examples/my_env.py:retry", "--max-new-tokens",
+             "40", "--max-turn-tokens", "12", "--prompts-per-step", "2", "--completions-per-prompt", "4",
+             "--num-minibatches", "2", "--micro-batch-size", "4", "--save-every", "0", "--eval-every", "0"]
+
+
+@pytest.mark.parametrize("when", ["training", "evaluation"])
+def test_a_multiturn_run_whose_env_answers_nothing_stops_in_one_line(when, run_main, tmp_path, monkeypatch):
+    """Every call of step 1's rollouts (or of the starting evaluation's) past the limit: the run stops
+    after step 1, saved, instead of paying the limit for every call of every step that follows."""
+    module = load_script("grpo_multiturn.py")
+    real = module.run_episodes
+
+    def run_episodes(llm, env, tokenizer, prompt_ids, examples, args, temperature):
+        hangs = temperature > 0 if when == "training" else temperature == 0
+        return real(llm, TimesOut(env) if hangs else env, tokenizer, prompt_ids, examples, args, temperature)
+
+    monkeypatch.setattr(module, "run_episodes", run_episodes)
+    out = tmp_path / "run"
+    with pytest.raises(RunError) as error:
+        run_main("grpo_multiturn.py", "--steps", "3", "--output-dir", out, *MULTITURN)
+    message = str(error.value)
+    assert "\n" not in message
+    if when == "training":
+        checkpoint = out / "checkpoints" / "step_1"
+        assert re.fullmatch(r"--env 'examples/my_env.py:retry': every one of its \d+ calls in step 1 ran past "
+                            rf"--env-timeout 10 s \(or its worker died\); stopped after step 1, saved: --resume "
+                            rf"{re.escape(str(checkpoint))}", message), message
+        assert (checkpoint / "trainer_state.pt").is_file() and [m["step"] for m in read_metrics(out)] == [0, 1]
+    else:
+        assert re.fullmatch(r"--env 'examples/my_env.py:retry': every one of its \d+ calls evaluating the starting "
+                            r"policy ran past --env-timeout 10 s \(or its worker died\); stopped before step 1",
+                            message), message

@@ -301,6 +301,59 @@ def test_a_step_past_the_env_timeout_ends_that_episode_only(tokenizer, env_file)
     assert metrics["env/timeouts"] == 1.0
 
 
+def test_a_turns_steps_go_to_the_workers_at_once(tokenizer, env_file, monkeypatch):
+    """Your environment's calls of one turn run in parallel: one WORKERS.map of them all (a turn of N
+    hanging calls costs ceil(N / workers) limits, not N), each result back to its own episode."""
+    import common.env
+
+    env = load_env(f"{env_file}:slow", TASK, 0.5)
+    batches, real = [], common.env.WORKERS.map
+    monkeypatch.setattr(common.env.WORKERS, "map", lambda recipe, calls, timeout: (
+        batches.append([c[0] for c in calls]), real(recipe, calls, timeout))[1])
+    episodes, _ = episodes_of(tokenizer, {"q1:": ["<call>slow</call>"], "q2:": ["<call>1+1</call>", "2" + EOS],
+                                          "q3:": ["<call>slow</call>"]}, env=env)
+    assert batches == [["start"]] * 3 + [["step"] * 3, ["step"]]  # turn 1: all three; turn 2: q2's answer
+    assert [e.ended_by for e in episodes] == ["timeout", "answer", "timeout"]
+    assert episodes[1].parts[1] == ["env", "<result>2</result>"]
+    metrics = episode_metrics(episodes)
+    assert (metrics["env/calls"], metrics["env/timeouts"]) == (4.0, 2.0)
+
+
+class Huge:
+    """An observation of a million characters (the probe's 1 MB) for every call."""
+    stop = ("</call>",)
+
+    def start(self, example):
+        return None
+
+    def step(self, state, turn):
+        return Step("<result>" + "7" * 1_000_000 + "</result>", tool_call=True)
+
+
+def test_an_observation_too_long_for_the_budget_ends_the_episode_untokenized(tokenizer, monkeypatch):
+    """Characters past what the budget left can hold are never tokenized (2.2 s a MB): the text is
+    measured against (room + 1) x the longest token's characters first."""
+    from common import env as env_module
+
+    seen = []
+    real = type(tokenizer).__call__
+    monkeypatch.setattr(type(tokenizer), "__call__", lambda self, text, *a, **k: (
+        seen.append(len(text)), real(self, text, *a, **k))[1])
+    episodes, _ = episodes_of(tokenizer, {"q:": ["<call>1+1</call>"]}, env=CheckedEnv(Huge(), "huge", 5.0),
+                              max_new_tokens=40)
+    assert episodes[0].ended_by == "budget" and episodes[0].parts == [["model", "<call>1+1</call>"]]
+    assert all(n < 1000 for n in seen), seen
+    # every token's text is at most longest_token characters (the bound's premise), and no more than that
+    longest = env_module.longest_token(tokenizer)
+    assert max(len(tokenizer.decode([t])) for t in range(len(tokenizer))) <= longest
+    # below the cut the ids are the observation's whole ids, and None exactly where they leave no room
+    text = "<result>12345</result>"
+    whole = observation_ids(tokenizer, text, False, [])
+    assert observation_ids(tokenizer, text, False, [], room=len(whole) + 1) == whole
+    assert observation_ids(tokenizer, text, False, [], room=len(whole)) is None
+    assert observation_ids(tokenizer, "7" * (2 * longest), False, [], room=1) is None
+
+
 @pytest.mark.parametrize("function, message", [
     ("text", "step returned <result>2</result> on turn '<call>1+1</call>'; it must return a Step"),
     ("not_text", "step returned Step(observation=5, tool_call=False, error=False) on turn '<call>1+1</call>'; "
@@ -550,7 +603,8 @@ def test_a_chat_template_episode_is_the_conversation_the_template_renders(chatml
 
 def test_episode_metrics_by_hand():
     def episode(parts, tool_calls, tool_errors, ended_by):
-        e = Episode([5], None, tool_calls=tool_calls, tool_errors=tool_errors)
+        e = Episode([5], None, tool_calls=tool_calls, tool_errors=tool_errors,
+                    env_calls=sum(who == "env" for who, _ in parts) + (ended_by == "timeout"))
         for who, n in parts:
             e.token_ids += [7] * n
             e.model_mask += [int(who == "model")] * n
@@ -563,9 +617,9 @@ def test_episode_metrics_by_hand():
                 episode([("model", 2)], 0, 0, "timeout")]
     expected = {"turns_mean": (2 + 3 + 1) / 3, "tool_calls_mean": 1.0, "tool_errors_mean": 1 / 3,
                 "observation_tokens_mean": (2 + 5 + 0) / 3, "budget_frac": 1 / 3, "max_turns_frac": 1 / 3,
-                "timeouts": 1.0}
+                "timeouts": 1.0, "calls": 1 + 2 + 1}
     assert episode_metrics(episodes) == pytest.approx({f"env/{k}": v for k, v in expected.items()})
-    assert episode_metrics(episodes, "eval/") == pytest.approx({f"eval/{k}": v for k, v in expected.items()})
+    assert episode_metrics(episodes, "eval/env/") == pytest.approx({f"eval/env/{k}": v for k, v in expected.items()})
     episodes[2].end("answer")
     assert episode_metrics(episodes)["env/timeouts"] == 0.0
 

@@ -6,6 +6,7 @@ import errno
 import io
 import json
 import os
+import re
 import signal
 import shutil
 import socket
@@ -14,6 +15,7 @@ import sys
 import time
 import types
 from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,15 +34,21 @@ import ppo
 
 
 def fake_checkpoint(run_dir, step: int, script: str = "grpo.py", **flags) -> str:
-    """A checkpoint folder as Run.save_checkpoint writes it, minus the weights: enough for
-    everything that is decided before a model is loaded."""
+    """A checkpoint folder as Run.save_checkpoint writes it, minus the weights (one tensor of
+    optimizer state): enough for everything that is decided before a model is loaded."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint import save as dcp_save
+
     Args = {"grpo.py": grpo.Args, "ppo.py": ppo.Args}[script]
     args = Args(**flags)
     args.output_dir = str(run_dir)
     path = run_dir / "checkpoints" / f"step_{step}"
     path.mkdir(parents=True)
-    (path / "trainer_state.pt").write_bytes(b"")
-    (path / "optimizer").mkdir()
+    torch.save({"step": step}, path / "trainer_state.pt")
+    dcp_save({"optimizer": {"exp_avg": torch.arange(4.0), "step": 3}}, checkpoint_id=str(path / "optimizer"))
+    (path / "policy").mkdir()
+    (path / "policy" / "config.json").write_text('{"model_type": "llama"}')
+    save_file({"w": torch.arange(6.0).reshape(2, 3)}, path / "policy" / "model.safetensors")
     info = {"script": script, "step": step, "accuracy_start": 0.25, "wall_time_s": 10.0, "args": vars(args)}
     (path / "run.json").write_text(json.dumps(info))
     return str(path)
@@ -102,12 +110,109 @@ def test_resume_finds_the_latest_checkpoint_of_a_run_folder_and_refuses_half_wri
         parse_args(grpo.Args, ["--resume", str(run / "checkpoints" / "step_99")])
     with pytest.raises(ConfigError, match="is not a checkpoint folder"):
         parse_args(grpo.Args, ["--resume", str(tmp_path)])
-    os.rmdir(os.path.join(latest, "optimizer"))  # before torch.distributed.checkpoint: state in trainer_state.pt
+    shutil.rmtree(os.path.join(latest, "optimizer"))  # before torch.distributed.checkpoint: state in trainer_state.pt
     with pytest.raises(ConfigError, match=r"older version of these scripts \(no optimizer/ folder\)"):
         parse_args(grpo.Args, ["--resume", latest])
     os.remove(os.path.join(latest, "run.json"))
     with pytest.raises(ConfigError, match="older version of these scripts"):
         parse_args(grpo.Args, ["--resume", latest])
+
+
+def cut(path, keep: int) -> None:
+    """A file ends `keep` bytes from its start (negative: that many bytes fewer)."""
+    os.truncate(path, keep if keep >= 0 else os.path.getsize(path) + keep)
+
+
+def flip(path, at: float) -> None:
+    """One byte, at this fraction of the file, inverted."""
+    data = bytearray(Path(path).read_bytes())
+    data[int(at * len(data))] ^= 0xFF
+    Path(path).write_bytes(bytes(data))
+
+
+def distcp(checkpoint) -> str:
+    return next(str(p) for p in Path(checkpoint, "optimizer").glob("*.distcp"))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda c: cut(f"{c}/policy/model.safetensors", 40), r"policy/model.safetensors: truncated: its header says \d+ "
+                                                           r"bytes, the file has 32 after the length"),
+    (lambda c: cut(f"{c}/policy/model.safetensors", -4), r"policy/model.safetensors: truncated: its tensors need 24 "
+                                                           r"bytes of data, the file holds 20"),
+    (lambda c: os.remove(f"{c}/policy/model.safetensors"), r"policy/: no weights file"),
+    (lambda c: flip(distcp(c), 0.9), r"optimizer/__0_0.distcp: the item at byte \d+: not a whole zip \(\w+: "),
+    (lambda c: cut(distcp(c), 100), r"optimizer/__0_0.distcp: truncated \(100 bytes, an item needs \d+\)"),
+    (lambda c: cut(f"{c}/optimizer/.metadata", 50), r"optimizer/.metadata: does not load \(\w+\)"),
+    (lambda c: cut(f"{c}/trainer_state.pt", 300), r"trainer_state.pt: not a whole zip"),
+    (lambda c: flip(f"{c}/trainer_state.pt", 0.05), r"trainer_state.pt: not a whole zip \(BadZipFile: Bad CRC-32"),
+    (lambda c: cut(f"{c}/run.json", 30), r"run.json: not JSON \(JSONDecodeError"),
+], ids=["safetensors-header", "safetensors-data", "no-weights", "optimizer-shard-byte", "optimizer-shard-cut",
+        "optimizer-metadata", "trainer-state-cut", "trainer-state-byte", "run-json"])
+def test_a_damaged_checkpoint_is_one_line_naming_the_file_and_the_whole_one_before(tmp_path, damage, message):
+    """Before any model loads: which file is damaged, and the latest whole checkpoint before it; a
+    run folder whose latest is damaged resumes from that one, saying so."""
+    run = tmp_path / "run"
+    whole = fake_checkpoint(run, 2)
+    damaged = fake_checkpoint(run, 4)
+    assert parse_args(grpo.Args, ["--resume", damaged]).resume == damaged  # whole until damaged
+    damage(damaged)
+    with pytest.raises(ConfigError) as error:
+        parse_args(grpo.Args, ["--resume", damaged])
+    assert re.fullmatch(rf"--resume '{re.escape(damaged)}' is damaged: {message}.*; the latest whole checkpoint "
+                        rf"before it: --resume {re.escape(whole)}", str(error.value)), str(error.value)
+
+
+def test_a_run_folder_resumes_from_its_latest_whole_checkpoint(tmp_path, capsys):
+    from common.args import latest_checkpoint
+
+    run = tmp_path / "run"
+    first, whole, damaged = (fake_checkpoint(run, step) for step in (2, 4, 6))
+    cut(f"{damaged}/trainer_state.pt", 10)
+    assert parse_args(grpo.Args, ["--resume", str(run)]).resume == whole == latest_checkpoint(str(run))
+    assert (f"--resume '{run}': its latest checkpoint {damaged} is damaged (trainer_state.pt: not a whole zip "
+            f"(BadZipFile: File is not a zip file)); resuming from {whole}, the latest whole one") in capsys.readouterr().err
+    for c in (first, whole):
+        cut(f"{c}/policy/model.safetensors", -1)
+    with pytest.raises(ConfigError, match=rf"^--resume '{re.escape(str(run))}': every checkpoint of this run is "
+                                          rf"damaged \(the latest, {re.escape(damaged)}: trainer_state.pt: .*\): "
+                                          rf"start it again$"):
+        parse_args(grpo.Args, ["--resume", str(run)])
+    with pytest.raises(ConfigError, match="; no earlier checkpoint of its run is whole$"):
+        parse_args(grpo.Args, ["--resume", whole])
+
+
+def test_a_checkpoint_that_reads_back_damaged_is_never_recommended(tmp_path, tiny_policy, tokenizer, monkeypatch):
+    """A save is read back before any line names it (Ctrl-C's "continue with --resume", a guard's stop):
+    a checkpoint written damaged (a failing disk: here a byte lost after the save) is one line naming the
+    latest whole one instead."""
+    run = Run(grpo.Args(output_dir=str(tmp_path / "run")))
+    optimizer = torch.optim.AdamW(tiny_policy.parameters())
+    run.saved = ({"policy": tiny_policy}, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
+                 torch.Generator())
+    run.llm, run.tokenizer = None, tokenizer
+    first = run.save_step(1, {})
+    real = run.save_checkpoint
+
+    def save_then_lose_a_byte(*args):
+        path = real(*args)
+        cut(f"{path}/trainer_state.pt", -1)
+        return path
+
+    monkeypatch.setattr(run, "save_checkpoint", save_then_lose_a_byte)
+    with pytest.raises(RunError, match=rf"^checkpoint .*step_2 reads back damaged \(trainer_state.pt: not a whole zip "
+                                       rf".*\): is the disk failing\? The latest whole one: {re.escape(first)}$"):
+        run.save_step(2, {})
+
+
+def test_a_damaged_checkpoint_is_refused_before_vllm_starts(tmp_path):
+    """From the command line: exit 1, one line, and nothing else started (no engine's log)."""
+    checkpoint = fake_checkpoint(tmp_path / "run", 3)
+    cut(distcp(checkpoint), 100)
+    r = subprocess.run([sys.executable, "grpo.py", "--resume", checkpoint], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": pythonpath()}, timeout=300)
+    assert r.returncode == 1 and r.stdout == "", r.stdout + r.stderr
+    assert re.fullmatch(rf"error: --resume '{re.escape(checkpoint)}' is damaged: optimizer/__0_0.distcp: truncated "
+                        rf"\(100 bytes, an item needs \d+\); no earlier checkpoint of its run is whole\n", r.stderr), r.stderr
 
 
 def test_resume_of_a_run_that_saved_no_checkpoint_says_so(tmp_path):
@@ -661,15 +766,19 @@ def test_each_rank_seeds_and_resumes_its_own_generators(monkeypatch):
 
 def test_metrics_over_ranks_average_the_means_and_sum_the_counts(monkeypatch):
     """Under torchrun a step's metrics are the whole batch's: a mean is the ranks' average, a count of
-    timeouts (reward calls, environment steps) their sum (3 and 3 calls past the limit are 6, not 3)."""
+    timeouts (reward calls, environment steps) or of environment calls their sum (3 and 3 calls past the
+    limit are 6, not 3); a mean of calls (env/tool_calls_mean) is a mean."""
     from common import dist
 
-    ranks = [{"reward/mean": 0.25, "reward/timeouts": 3.0, "env/timeouts": 1.0},
-             {"reward/mean": 0.75, "reward/timeouts": 3.0, "env/timeouts": 0.0}]
+    ranks = [{"reward/mean": 0.25, "reward/timeouts": 3.0, "env/timeouts": 1.0, "env/calls": 4.0,
+              "env/tool_calls_mean": 1.0},
+             {"reward/mean": 0.75, "reward/timeouts": 3.0, "env/timeouts": 0.0, "env/calls": 2.0,
+              "env/tool_calls_mean": 0.0}]
     monkeypatch.setattr(dist, "world_size", lambda: 2)
     monkeypatch.setattr(dist, "all_sum", lambda x: sum(torch.tensor([r[k] for k in sorted(r)], dtype=torch.float64)
                                                         for r in ranks))  # what the two ranks' reduction gives
-    assert dist.mean_over_ranks(ranks[0]) == {"reward/mean": 0.5, "reward/timeouts": 6.0, "env/timeouts": 1.0}
+    assert dist.mean_over_ranks(ranks[0]) == {"reward/mean": 0.5, "reward/timeouts": 6.0, "env/timeouts": 1.0,
+                                              "env/calls": 6.0, "env/tool_calls_mean": 0.5}
 
 
 def test_a_resume_drops_a_metrics_line_a_crash_cut_short(tmp_path):
