@@ -108,6 +108,7 @@ def vllm_cannot_run(config, device: str) -> str | None:
     vLLM config is not set") and, where it works (OLMo2, GPT-NeoX), patches the transformers class
     the trainer then loads in the same process, which fails the same way. On CPU, vLLM's attention
     takes only some head sizes ("Unsupported CPU attention configuration" after start-up)."""
+    _quiet_vllm()  # before its import: what vLLM says then (Triton without a CPU backend) is not the run's output
     from vllm.model_executor.models.registry import _TEXT_GENERATION_MODELS  # vLLM's own implementations
 
     arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
