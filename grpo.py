@@ -9,7 +9,7 @@ reference:
 
 agg is --loss-agg (the paper: mean over tokens, then over sequences). k3 estimates
 KL(pi || pi_ref) without bias at samples of pi, but as a loss term its gradient is not the
-gradient of that KL; it is what the paper does. Dr. GRPO is --no-scale-rewards with
+gradient of that KL; it is what the paper does. Dr. GRPO (dr_grpo.py) is --no-scale-rewards with
 --loss-agg seq-mean-token-sum-norm; DAPO's clip-higher is --eps-high 0.28.
 
 The notation GRPO's family shares, the same block in each of its scripts:

@@ -273,13 +273,6 @@ def compute_advantages(token_rewards, values, mask, gamma: float, lam: float):
     return advantages, (advantages + values) * mask
 
 
-def whiten(values, mask, eps: float = 1e-8):
-    """(v - mean) / std over the masked entries (the batch's completion tokens, on all ranks); 0 elsewhere."""
-    mean = dist.global_masked_mean(values, mask)
-    var = dist.global_masked_mean((values - mean) ** 2, mask)
-    return (values - mean) * torch.rsqrt(var + eps) * mask
-
-
 def update_kl_coef(kl_coef: float, kl_per_seq: float, num_seqs: int, args: Args) -> float:
     """Adaptive KL controller (Ziegler et al. 2019): raise beta when the KL is above target."""
     if args.target_kl is None:
@@ -455,7 +448,7 @@ def main(args: Args) -> None:
         token_rewards = compute_token_rewards(scores.to(device), kl, loss_mask, kl_coef)
         advantages, returns = compute_advantages(token_rewards, old_values, loss_mask, args.gamma, args.lam)
         if args.whiten_advantages:
-            advantages = whiten(advantages, loss_mask)
+            advantages = dist.whiten(advantages, loss_mask)
 
         # ---------------------------------------------------------------- 5. update
         with timed(times, "train"):

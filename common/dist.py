@@ -161,6 +161,14 @@ def global_masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     return (totals[0] / totals[1].clamp(min=1)).to(values.dtype)
 
 
+def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(v - mean) / std over the masked entries (the batch's completion tokens, on all ranks); 0 elsewhere
+    (PPO's advantages, REINFORCE++'s returns)."""
+    mean = global_masked_mean(values, mask)
+    var = global_masked_mean((values - mean) ** 2, mask)
+    return (values - mean) * torch.rsqrt(var + eps) * mask
+
+
 def all_gather_objects(items: list) -> list:
     """The ranks' lists of picklable objects concatenated in rank order (DAPO's kept groups)."""
     if world_size() == 1:

@@ -88,7 +88,7 @@ def update(policy, critic, optimizer, case: str, input_ids, attention_mask, comp
         values = torch.zeros_like(old_logprobs)
         token_rewards = ppo.compute_token_rewards(rewards, old_logprobs - ref_logprobs, loss_mask, args.kl_coef)
         advantages, returns = ppo.compute_advantages(token_rewards, values, loss_mask, args.gamma, args.lam)
-        advantages = ppo.whiten(advantages, loss_mask)
+        advantages = dist.whiten(advantages, loss_mask)
         stats, _ = ppo.update(policy, critic, optimizer, scheduler, args, precision, **batch, advantages=advantages,
                               old_values=values, returns=returns)
     return stats

@@ -30,22 +30,20 @@ def sequence_advantages(script: str) -> bool:
 
 
 def policy_gradient(script, weights):
-    """d loss / d logprobs of one micro-batch at ratio 1 (old = current), without a KL term."""
+    """d loss / d logprobs of one micro-batch at ratio 1 (old = current), without a KL term. The
+    script's compute_loss is called by its parameters' names (the scripts share them), so any loss
+    shape is found: advantages [B] where the loss holds the KL (GRPO's family), else [B, C]."""
     logprobs = torch.tensor(LOGPROBS, requires_grad=True)
-    old = logprobs.detach()
     A = torch.tensor([0.5, -1.5])
-    n_tokens, n_seqs = MASK.sum(), 2
     module = load_script(script)
     args = module.Args(kl_coef=0.0, loss_agg="token-mean", **({"vf_coef": 0.0} if hasattr(module.Args, "vf_coef")
                                                               else {}))
-    if sequence_advantages(script):
-        loss, _ = module.compute_loss(logprobs, old, None, A, weights, MASK, args, n_tokens, n_seqs)
-    elif "old_values" in update_inputs(script):  # a critic: PPO
-        zeros = torch.zeros_like(old)
-        loss, _ = module.compute_loss(logprobs, old, A.unsqueeze(1) * MASK, zeros, zeros, zeros, weights, MASK, args,
-                                      n_tokens, n_seqs)
-    else:
-        loss, _ = module.compute_loss(logprobs, A.unsqueeze(1) * MASK, weights, MASK, args, n_tokens, n_seqs)
+    zeros = torch.zeros_like(logprobs)
+    available = {"logprobs": logprobs, "old_logprobs": logprobs.detach(), "ref_logprobs": None,
+                 "advantages": A if sequence_advantages(script) else A.unsqueeze(1) * MASK,
+                 "values": zeros, "old_values": zeros, "returns": zeros, "vllm_is_weights": weights, "mask": MASK,
+                 "args": args, "num_tokens": MASK.sum(), "num_seqs": 2}
+    loss, _ = module.compute_loss(**{k: available[k] for k in inspect.signature(module.compute_loss).parameters})
     return torch.autograd.grad(loss, logprobs)[0]
 
 
@@ -57,12 +55,17 @@ def test_truncated_importance_weight_by_hand():
     assert torch.allclose(grad, expected)
 
 
-@pytest.mark.parametrize("script", [s for s in SCRIPTS if s != "gspo.py"])  # gspo: per sequence, below
-def test_every_token_level_script_weights_its_policy_gradient(script):
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_weights_its_policy_gradient(script):
+    """Each token's gradient is scaled by its own weight w_t, or (a loss per sequence: GSPO, GMPO) every
+    token's by its sequence's geometric mean of them; found from the gradient, not from the script's name."""
     w = torch.tensor([[2.0, 0.5, 1.0], [1.0, 1.7, 1.0]])
     unweighted = policy_gradient(script, torch.ones_like(w))
+    weighted = policy_gradient(script, w)
     assert unweighted.abs().sum() > 0
-    assert torch.allclose(policy_gradient(script, w), w * unweighted)
+    seq_weight = torch.exp((w.log() * MASK).sum(-1, keepdim=True) / MASK.sum(-1, keepdim=True))
+    assert torch.allclose(weighted, w * unweighted) or torch.allclose(weighted, seq_weight * unweighted), (
+        f"{script}: the weights scale the gradient neither per token nor per sequence")
 
 
 def test_gspo_weights_a_sequence_by_the_geometric_mean_of_its_token_weights():

@@ -728,7 +728,7 @@ def family_args(module, **flags):
 
 @pytest.mark.parametrize("script", grpo_family())
 def test_masked_tokens_get_exactly_zero_gradient_through_compute_loss(script):
-    """token-mask's weight 0 takes a token out of the policy gradient exactly (in GSPO, through the
+    """token-mask's weight 0 takes a token out of the policy gradient exactly (in GSPO and GMPO, through the
     sequence's geometric mean, its sequence), with no NaN from padding, and the loss's normalizer keeps it."""
     from common.ops import RolloutCorrection, rollout_correction
     from common.scripts import load_script
@@ -744,10 +744,9 @@ def test_masked_tokens_get_exactly_zero_gradient_through_compute_loss(script):
     loss.backward()
     assert torch.isfinite(logprobs.grad).all()
     assert (logprobs.grad[masked] == 0).all()
-    if script == "gspo.py":  # a sequence's weight is its tokens' geometric mean: both sequences have a 0
-        assert (logprobs.grad == 0).all()
-    else:  # the kept tokens learn
-        assert (logprobs.grad[0, 2] != 0) and (logprobs.grad[1, 0] != 0) and (logprobs.grad[1, 3] != 0)
+    for i in range(2):  # the kept tokens learn, or (a sequence weighted by its tokens' geometric mean, as in
+        kept = SAMPLED[i].bool() & ~masked[i]  # GSPO and GMPO) the sequence with a 0 leaves whole
+        assert (logprobs.grad[i, kept] != 0).all() or (logprobs.grad[i] == 0).all(), (script, i, logprobs.grad)
     if script == "grpo.py":  # token-mean: the kept tokens' terms over all 7 sampled tokens, masked ones counted
         ratio = math.exp(-0.01)
         kept = [(0, 2, 1.0), (1, 0, -0.5), (1, 3, -0.5)]  # (sequence, token, advantage)

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
 
 import ppo
+from common import dist
 from common.rewards import reward_model_scores
 from tests.conftest import TINY_MODEL, read_optimizer_state
 from tests.test_grpo_e2e import SMALL, STEP_METRICS, read_metrics
@@ -97,7 +98,7 @@ def test_whiten_under_a_mask():
     mask = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
     s = math.sqrt(1.5)  # mean 2, population variance 2/3 over the three masked-in entries
     expected = torch.tensor([[-s, 0.0, s], [0.0, 0.0, 0.0]])
-    torch.testing.assert_close(ppo.whiten(values, mask), expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(dist.whiten(values, mask), expected, atol=1e-6, rtol=1e-6)
 
 
 def make_reward_model(path, tokenizer):
