@@ -1,14 +1,15 @@
 """GRPO with multi-turn tool use: GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300) on episodes.
 
 An episode y_i is a conversation with an environment (--env, common/env.py; the default: a
-calculator): the model writes a turn; the environment answers with an observation (the tool's
-result), which the model reads before its next turn; up to --max-turns turns, until the model
-answers without a call. For each prompt x, sample G episodes from the old policy and score each
-with a verifiable reward R_i of its final answer (--reward terms also see the whole transcript, as
-example["transcript"]). Every model token of y_i gets the reward normalized within its group, A_i
-(no critic), and the policy maximizes the clipped surrogate with a KL penalty to a frozen
-reference, over the model's tokens only (t: the model's tokens; observation tokens are context,
-in the input but without a loss or KL term):
+calculator; textarena:GAME-ID: a TextArena game, common/games.py): the model writes a turn; the
+environment answers with an observation (the tool's result, the game's message), which the model
+reads before its next turn; up to --max-turns turns, until the model answers without a call or
+the game ends. For each prompt x, sample G episodes from the old policy and score each with a
+verifiable reward R_i of its final answer (a game's: its outcome; --reward terms also see the
+whole transcript, as example["transcript"]). Every model token of y_i gets the reward normalized
+within its group, A_i (no critic), and the policy maximizes the clipped surrogate with a KL
+penalty to a frozen reference, over the model's tokens only (t: the model's tokens; observation
+tokens are context, in the input but without a loss or KL term):
 
     L = agg_{i,t} [ -min(r_t A_i, clip(r_t, 1 - eps_low, 1 + eps_high) A_i) * w_t + beta * KL_t ]
 
@@ -52,7 +53,7 @@ from common import dist
 from common.args import cli
 from common.batch import draw_minibatches, episode_batch, micro_batches
 from common.engine import awake, create_engine, sampled_logprobs, sampling_params, still_running, sync_weights
-from common.env import Episode, episode_metrics, load_env, observation_ids
+from common.env import Episode, episode_examples, episode_metrics, load_env, observation_ids
 from common.errors import need
 from common.guard import step_if_finite
 from common.metrics import minibatch_stats, step_metrics, timed
@@ -92,8 +93,9 @@ class Args:
     completions_per_prompt: int = 8
     """G: episodes per prompt, the group that defines the baseline"""
     env: str = "calculator"
-    """the environment that answers the model's turns (see common/env.py), or your own: FILE.py:FUNCTION
-    returning an Environment (see examples/my_env.py)"""
+    """the environment that answers the model's turns (see common/env.py): calculator, textarena:GAME-ID (a
+    TextArena game, which is also the task: common/games.py), or your own: FILE.py:FUNCTION returning an
+    Environment (see examples/my_env.py)"""
     max_turns: int = 3
     """model turns per episode at most"""
     max_turn_tokens: int = 24
@@ -288,7 +290,9 @@ def run_episodes(llm, env, tokenizer, prompt_ids, examples, args: Args, temperat
                 e.end("timeout")
                 continue
             e.tool_calls, e.tool_errors = e.tool_calls + step.tool_call, e.tool_errors + step.error
+            e.invalid_moves += step.invalid_move
             if step.observation is None:
+                e.env_reward = step.reward  # a game's outcome (None: the environment scores nothing)
                 e.end("answer")
                 continue
             ids = observation_ids(tokenizer, step.observation, args.chat_template, completion.token_ids,
@@ -370,7 +374,7 @@ def main(args: Args) -> None:
 
     def greedy_episodes(prompt_ids, examples):  # the held-out evaluation's rollout: greedy episodes
         episodes = run_episodes(llm, env, tokenizer, prompt_ids, examples, args, temperature=0.0)
-        return [e.answer for e in episodes], episode_metrics(episodes, "eval/env/")
+        return [e.answer for e in episodes], episode_metrics(episodes, "eval/env/"), episode_examples(episodes, examples)
 
     run.start(llm, tokenizer, task, greedy_episodes)  # says what runs where, evaluates the starting policy
     G, B = args.completions_per_prompt, args.prompts_per_step // dist.world_size() * args.completions_per_prompt
@@ -388,9 +392,10 @@ def main(args: Args) -> None:
                                         [e for e in examples for _ in range(G)], args, args.temperature)
 
         # ---------------------------------------------------------------- 2. reward
-        # the final answer is scored; each example carries its episode's transcript, for --reward terms
-        episode_examples = [{**examples[i // G], "transcript": episodes[i].transcript} for i in range(B)]
-        rewards, reward_parts = reward_fn([e.answer for e in episodes], episode_examples)
+        # the final answer is scored; each example carries its episode's transcript (for --reward terms)
+        # and the environment's own score (a game's outcome: the task textarena:GAME's reward)
+        rewards, reward_parts = reward_fn([e.answer for e in episodes],
+                                          episode_examples(episodes, [examples[i // G] for i in range(B)]))
 
         # ---------------------------------------------------------------- 3. old / ref log-probs
         with timed(times, "logprobs"):

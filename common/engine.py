@@ -249,7 +249,8 @@ def evaluate(llm, tokenizer, task, max_new_tokens: int, chat_template: bool = Tr
     a TransformersEngine (the sharded policy's forward needs every rank) each rank decodes its share
     of the split, EVAL_BATCH prompts at a time and in step with the others (eval_batches), and every
     rank gets the whole split's numbers, those of one process. episodes: multi-turn rollouts
-    (grpo_multiturn.py), episodes(prompt_ids, examples) -> (the final answers, more eval metrics), greedy."""
+    (grpo_multiturn.py), episodes(prompt_ids, examples) -> (the final answers, more eval metrics, the
+    examples as the reward sees them: common/env.py episode_examples), greedy."""
     need(episodes is None or len(task.eval) >= dist.world_size(),
          f"the eval split has {len(task.eval)} examples, fewer than the {dist.world_size()} ranks that share its episodes")
     how = (tokenizer, task.reward, max_new_tokens, chat_template, system_prompt, reward_timeout, episodes)
@@ -288,7 +289,7 @@ def _evaluate(llm, examples: list[dict], tokenizer, reward, max_new_tokens: int,
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], greedy, use_tqdm=False)
             answers, more = [o.outputs[0].text for o in outputs], {}
         else:
-            answers, more = episodes(prompt_ids, examples)
+            answers, more, examples = episodes(prompt_ids, examples)  # examples: with what the episodes add
     verifier = Reward([RewardTerm("correct", reward, 1.0, "correct")], reward_timeout)
     rewards, parts = verifier(answers, examples)
     return rewards, parts[TIMEOUTS], more, len(examples)

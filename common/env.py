@@ -7,6 +7,8 @@ the task's verifier scores.
 
     --env calculator          <call>EXPR</call> -> <result>VALUE</result>: + - * / and parentheses,
                               parsed by a small grammar (common/calculator.py), never executed
+    --env textarena:GAME-ID   a single-player TextArena game (common/games.py): GuessTheNumber-v0,
+                              TowerOfHanoi-v0, ...; the task follows it (--task textarena:GAME-ID)
     --env FILE.py:FUNCTION    your own: a function (no arguments) returning an Environment
                               (see examples/my_env.py)
 
@@ -58,6 +60,9 @@ class Step:
     observation: str | None = None  # what the model reads next; None ends the episode (the turn was its answer)
     tool_call: bool = False         # the turn called a tool (counted: env/tool_calls)
     error: bool = False             # a malformed or failing call; the observation says why (env/tool_errors)
+    invalid_move: bool = False      # a game's move its rules refuse (env/invalid_moves_mean)
+    reward: float | None = None     # where the environment scores the episode (a game's outcome): its
+                                    # reward, with the step that ends it (example["env_reward"])
 
 
 class Environment:
@@ -179,7 +184,9 @@ class CheckedEnv:
 
     def _checked(self, step, turn: str) -> Step:
         if not isinstance(step, Step) or not (step.observation is None or isinstance(step.observation, str)):
-            raise ConfigError(f"--env {self.spec!r}: step returned {str(step)[:80]} on turn {turn[:80]!r}; it must "
+            what = (f"a Step whose observation is {type(step.observation).__name__} {str(step.observation)[:40]}"
+                    if isinstance(step, Step) else str(step)[:80])
+            raise ConfigError(f"--env {self.spec!r}: step returned {what} on turn {turn[:80]!r}; it must "
                               f"return a Step (from common.env import Step) whose observation is a str or None")
         return step
 
@@ -192,6 +199,10 @@ def load_env(spec: str, task, timeout: float = 0.0, tokenizer=None, chat_templat
     need(math.isfinite(timeout) and timeout >= 0, f"--env-timeout must be >= 0 seconds (0: no limit), got {timeout}")
     if spec in ENVS:
         env = ENVS[spec]()
+    elif spec.startswith("textarena:"):
+        from common.games import TextArenaGame
+
+        env = TextArenaGame(spec.removeprefix("textarena:"))
     elif ":" in spec:
         make_env = load_function(spec, "--env")
         try:
@@ -215,7 +226,8 @@ def load_env(spec: str, task, timeout: float = 0.0, tokenizer=None, chat_templat
 
     if chat_template and tokenizer is not None and has_chat_template(tokenizer):
         observation_frame(tokenizer)
-    checked = CheckedEnv(env, spec, timeout, in_workers=spec not in ENVS)
+    # a game runs here, as the calculator: its object lives across turns (common/games.py)
+    checked = CheckedEnv(env, spec, timeout, in_workers=not (spec in ENVS or spec.startswith("textarena:")))
     if checked.step(checked.start(task.train[0]), "") is None:
         raise ConfigError(f"--env {spec!r}: step ran past --env-timeout {timeout:g} s (or its worker died) on an "
                           f"empty turn")
@@ -291,6 +303,8 @@ class Episode:
     ended_by: str | None = None       # "answer", "turn_tokens", "budget", "max_turns" or "timeout"
     tool_calls: int = 0
     tool_errors: int = 0
+    invalid_moves: int = 0
+    env_reward: float | None = None  # the environment's own score of the episode (Step.reward), if it gives one
     env_calls: int = 0  # the environment's steps on the episode's turns
 
     def add_turn(self, completion) -> None:
@@ -321,14 +335,39 @@ class Episode:
         return "".join(text for _, text in self.parts)
 
 
+def episode_examples(episodes: list[Episode], examples: list[dict]) -> list[dict]:
+    """Each episode's example as its reward sees it: the task's, with the episode's transcript
+    (for --reward terms) and the environment's own score (env_reward: None where it gives none)."""
+    return [{**example, "transcript": e.transcript, "env_reward": e.env_reward} for e, example in zip(episodes, examples)]
+
+
+def env_reward(completion: str, example: dict) -> float:
+    """A task's reward where the environment scores the episode (a game's outcome, Step.reward):
+    example["env_reward"], which episode_examples sets; 0 for an episode that ended without one
+    (a script's limit cut it). TextArena's tasks use it, and so can yours (examples/gym_env.py)."""
+    reward = example.get("env_reward")
+    return 0.0 if reward is None else float(reward)
+
+
+def turns(episode: Episode) -> int:
+    return sum(who == "model" for who, _ in episode.parts)
+
+
 def episode_metrics(episodes: list[Episode], prefix: str = "env/") -> dict:
-    """Means over the episodes: turns, tool calls, tool errors, observation tokens; the fractions
-    that ended by the token budget and by --max-turns; and the counts of the environment's calls and
-    of those past --env-timeout (summed over ranks: common/dist.py is_count)."""
+    """Means over the episodes: turns, tool calls, tool errors, invalid moves, observation tokens; the
+    fractions that ended by the token budget and by --max-turns; and the counts of the environment's
+    calls and of those past --env-timeout (summed over ranks: common/dist.py is_count). Where the
+    environment scores episodes (a game), also turns_per_win: the mean turns of the episodes it
+    scored 1 or more (NaN where none was won)."""
     n = len(episodes)
-    return {f"{prefix}turns_mean": sum(sum(who == "model" for who, _ in e.parts) for e in episodes) / n,
+    metrics = {}
+    if any(e.env_reward is not None for e in episodes):
+        wins = [turns(e) for e in episodes if e.env_reward is not None and e.env_reward >= 1]
+        metrics[f"{prefix}turns_per_win"] = sum(wins) / len(wins) if wins else float("nan")
+    return {**metrics, f"{prefix}turns_mean": sum(turns(e) for e in episodes) / n,
             f"{prefix}tool_calls_mean": sum(e.tool_calls for e in episodes) / n,
             f"{prefix}tool_errors_mean": sum(e.tool_errors for e in episodes) / n,
+            f"{prefix}invalid_moves_mean": sum(e.invalid_moves for e in episodes) / n,
             f"{prefix}observation_tokens_mean": sum(len(e.model_mask) - sum(e.model_mask) for e in episodes) / n,
             f"{prefix}budget_frac": sum(e.ended_by == "budget" for e in episodes) / n,
             f"{prefix}max_turns_frac": sum(e.ended_by == "max_turns" for e in episodes) / n,

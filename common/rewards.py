@@ -290,7 +290,8 @@ def load_reward(specs: tuple[str, ...], task, timeout: float = 0.0, transcript: 
     user's runs in the worker processes (InWorkers), which import its file again. Each function is
     checked now, before anything heavy: it must take (completion, example) and return a finite
     number in time on a probe, the first train example's own answer. transcript: the examples carry
-    the episode's "transcript" (grpo_multiturn.py), and so does the probe's (the answer, one turn)."""
+    the episode's "transcript" and the environment's "env_reward" (grpo_multiturn.py, common/env.py
+    episode_examples), and so does the probe's (the answer, one turn; no reward of the environment)."""
     need(math.isfinite(timeout) and timeout >= 0, f"--reward-timeout must be >= 0 seconds (0: no limit), got {timeout}")
     terms = []
     for spec in specs or ("correct",):
@@ -316,7 +317,7 @@ def load_reward(specs: tuple[str, ...], task, timeout: float = 0.0, transcript: 
         terms.append(RewardTerm(name, fn, weight, spec))
     reward, probe = Reward(terms, timeout), task.train[0]
     if transcript:
-        probe = {**probe, "transcript": str(probe.get("answer", ""))}
+        probe = {**probe, "transcript": str(probe.get("answer", "")), "env_reward": None}
     for term in terms:
         try:
             value = reward.call(term, str(probe.get("answer", "")), probe)

@@ -10,6 +10,7 @@ import torch
 
 from common import dist
 from common.errors import need
+from common.games import pair_task
 from common.args import check_args, vllm_installed
 from common.models import check_lora_targets, check_model, encode_prompts, load_tokenizer
 from common.ops import RolloutCorrection
@@ -26,6 +27,7 @@ def prepare(args, check, min_completions: int = 2):
     config = check_model(args.model)
     if args.lora_rank:
         check_lora_targets(config, args.lora_target_modules)
+    pair_task(args)  # --env textarena:GAME: the task is the game's (common/games.py)
     task = load_task(args.task, seed=args.seed)
     reward_fn = load_reward(args.reward, task, args.reward_timeout, transcript=hasattr(args, "env"))  # a probe call
     tokenizer = load_tokenizer(args.model)

@@ -20,6 +20,8 @@ scores 0.
     --task rg:NAME[:k=v,...]  any reasoning-gym dataset, its default config or these overrides
     --task jsonl:PATH         your own data: one {"prompt": ..., "answer": ...} per line,
                               checked like gsm8k; jsonl:TRAIN,EVAL for an explicit eval file
+    --task textarena:GAME-ID  a TextArena game's prompts, held-out games and outcome (common/games.py),
+                              played by grpo_multiturn.py --env textarena:GAME-ID
     --task FILE.py:FUNCTION   your own task: a function returning a Task (also MODULE:FUNCTION;
                               see common/rewards.py, and examples/)
 
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from common.errors import ConfigError
+from common.games import make_game_task
 from common.hub import hub_reachable
 from common.rewards import InWorkers, checked_call
 from common.workers import load_function, recipe_of
@@ -480,6 +483,7 @@ TASK_PREFIXES: dict[str, Callable[[str, int], Task]] = {
     "jsonl": lambda spec, seed: make_jsonl_task(spec, seed=seed),
     "rg": _rg_from_spec,
     "sort": _sort_from_spec,
+    "textarena": lambda spec, seed: make_game_task(spec, seed),
 }
 
 

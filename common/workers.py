@@ -145,9 +145,13 @@ def load_function(spec: str, what: str) -> Callable:
             module_name = "user_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
             module_spec = importlib.util.spec_from_file_location(module_name, path)
             module = importlib.util.module_from_spec(module_spec)
+            # registered under its name, so that pickle finds the file's classes: an environment's state
+            # holding an object of one goes from a worker to the run and back (common/env.py EnvState)
+            sys.modules[module_name] = module
             try:
                 module_spec.loader.exec_module(module)
             except (Exception, SystemExit) as e:  # sys.exit() in the file too: not a silent exit
+                del sys.modules[module_name]
                 raise ConfigError(f"{what} {spec!r}: importing {source!r} failed ({type(e).__name__}: {e})") from None
             _MODULES[path] = module
         module = _MODULES[path]

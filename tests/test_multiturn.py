@@ -356,7 +356,7 @@ def test_an_observation_too_long_for_the_budget_ends_the_episode_untokenized(tok
 
 @pytest.mark.parametrize("function, message", [
     ("text", "step returned <result>2</result> on turn '<call>1+1</call>'; it must return a Step"),
-    ("not_text", "step returned Step(observation=5, tool_call=False, error=False) on turn '<call>1+1</call>'; "
+    ("not_text", "step returned a Step whose observation is int 5 on turn '<call>1+1</call>'; "
                  "it must return a Step"),
 ])
 def test_a_step_that_returns_no_step_is_one_line(tokenizer, env_file, function, message):
@@ -617,11 +617,18 @@ def test_episode_metrics_by_hand():
                 episode([("model", 2)], 0, 0, "timeout")]
     expected = {"turns_mean": (2 + 3 + 1) / 3, "tool_calls_mean": 1.0, "tool_errors_mean": 1 / 3,
                 "observation_tokens_mean": (2 + 5 + 0) / 3, "budget_frac": 1 / 3, "max_turns_frac": 1 / 3,
-                "timeouts": 1.0, "calls": 1 + 2 + 1}
+                "timeouts": 1.0, "calls": 1 + 2 + 1, "invalid_moves_mean": 0.0}
     assert episode_metrics(episodes) == pytest.approx({f"env/{k}": v for k, v in expected.items()})
     assert episode_metrics(episodes, "eval/env/") == pytest.approx({f"eval/env/{k}": v for k, v in expected.items()})
     episodes[2].end("answer")
     assert episode_metrics(episodes)["env/timeouts"] == 0.0
+    # where the environment scores episodes (a game): invalid moves, and the turns of the won ones only
+    episodes[0].env_reward, episodes[1].env_reward, episodes[2].env_reward = 1.0, 0.4, 1.0
+    episodes[1].invalid_moves = 2
+    game = episode_metrics(episodes)
+    assert game["env/turns_per_win"] == (2 + 1) / 2 and game["env/invalid_moves_mean"] == 2 / 3
+    episodes[0].env_reward = episodes[2].env_reward = 0.5
+    assert math.isnan(episode_metrics(episodes)["env/turns_per_win"])  # none won
 
 
 # ------------------------------------------------------------------------------------------
