@@ -145,7 +145,7 @@ def checked_game(spec: str):
 
 
 class TextArenaGame(Environment):
-    """A TextArena game a episode: start resets a new game with the example's seed, step plays the
+    """A TextArena game an episode: start resets a new game with the example's seed, step plays the
     model's turn as the action and answers with the game's new messages, or ends the episode with
     the game's reward (Step.reward) when the game is over."""
     stop = ("]",)
@@ -155,10 +155,7 @@ class TextArenaGame(Environment):
         checked_game(spec)
 
     def start(self, example: dict) -> dict:
-        state = {"game": make_game(self.spec), "random": None}
-        with own_random(state):
-            state["game"].reset(num_players=1, seed=int(example.get("game_seed", 0)))
-            state["game"].get_observation()  # the prompt, which the example already holds
+        state, _ = new_game(self.spec, int(example.get("game_seed", 0)))  # the prompt: the example holds it
         return state
 
     def step(self, state: dict, turn: str) -> Step:
@@ -175,10 +172,14 @@ class TextArenaGame(Environment):
         return Step("\n" + "\n".join(new) + "\n", invalid_move=invalid)
 
 
-def game_prompt(game) -> str:
-    """The game's messages before the first move (its rules and the board): the prompt."""
-    _, messages = game.get_observation()
-    return "\n".join(message for _, message, _ in messages)
+def new_game(spec: str, seed: int) -> tuple[dict, str]:
+    """(an episode's state: a game reset with seed and its own `random` state, the game's messages
+    before the first move: its rules and board, the prompt)."""
+    state = {"game": make_game(spec), "random": None}
+    with own_random(state):
+        state["game"].reset(num_players=1, seed=seed)
+        _, messages = state["game"].get_observation()
+    return state, "\n".join(message for _, message, _ in messages)
 
 
 def make_game_task(spec: str, seed: int = 0, num_train: int = NUM_TRAIN, num_eval: int = NUM_EVAL):
@@ -191,11 +192,7 @@ def make_game_task(spec: str, seed: int = 0, num_train: int = NUM_TRAIN, num_eva
     train_seeds = [rng.randrange(EVAL_SEED) for _ in range(num_train)]
 
     def example(game_seed: int) -> dict:
-        state = {"game": make_game(spec), "random": None}
-        with own_random(state):
-            state["game"].reset(num_players=1, seed=game_seed)
-            prompt = game_prompt(state["game"])
-        return {"prompt": prompt, "answer": "", "game_seed": game_seed}
+        return {"prompt": new_game(spec, game_seed)[1], "answer": "", "game_seed": game_seed}
 
     return Task(f"textarena:{spec}", [example(s) for s in train_seeds],
                 [example(EVAL_SEED + i) for i in range(num_eval)], env_reward)

@@ -39,11 +39,12 @@ from pathlib import Path
 
 import torch
 import tyro
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.games import TextArenaGame, make_game_task  # noqa: E402
-from scripts.make_tiny_model import make_tokenizer as make_char_tokenizer  # noqa: E402
+from scripts.make_tiny_model import make_tokenizer as make_char_tokenizer, tiny_config  # noqa: E402
+from scripts.make_tiny_tool_model import encode, sft_batch  # noqa: E402
 
 GAME = "GuessTheNumber-v0"
 LOW, HIGH = 1, 20
@@ -105,29 +106,6 @@ def make_tokenizer(messages: list[str]):
     return tokenizer
 
 
-def encode(tokenizer, text: str) -> list[int]:
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert tokenizer.decode(ids) == text, text
-    return ids
-
-
-def sft_batch(tokenizer, games: list[list[tuple[str, bool]]]) -> dict:
-    rows, labels = [], []
-    for segments in games:
-        ids, lab = [], []
-        for text, trained in segments:
-            seg = encode(tokenizer, text)
-            ids += seg
-            lab += seg if trained else [-100] * len(seg)
-        assert len(ids) <= MAX_LEN, len(ids)
-        rows.append(ids)
-        labels.append(lab)
-    width, pad = max(map(len, rows)), tokenizer.pad_token_id
-    return {"input_ids": torch.tensor([r + [pad] * (width - len(r)) for r in rows]),
-            "attention_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
-            "labels": torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])}
-
-
 @torch.no_grad()
 def evaluate(model, tokenizer, env: TextArenaGame, examples: list[dict], max_turns: int) -> dict:
     """Greedy games, token-in/token-out as grpo_multiturn.py plays them: the win rate, the turns per
@@ -186,13 +164,7 @@ def main(args: Args) -> None:
     messages = [task.train[0]["prompt"]] + [text for g in games[:100] for text, trained in g[1:] if not trained]
     moves = [f"[{n}]" for n in range(LOW, HIGH + 1)]
     tokenizer = make_tokenizer([m for m in messages + invalid + [env.step(repeat, "[1]").observation] if m] + moves)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size,
-        num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
-        num_key_value_heads=args.num_heads, max_position_embeddings=MAX_LEN, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    model = Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM(tiny_config(tokenizer, args, MAX_LEN))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - step / args.sft_steps)
     held_out = task.eval[: args.eval_games]

@@ -61,6 +61,17 @@ def make_tokenizer() -> Qwen2Tokenizer:
                           unk_token=PAD, pad_token=PAD, eos_token=EOS)
 
 
+def tiny_config(tokenizer, args, max_len: int = 128) -> Qwen2Config:
+    """The tiny models' architecture (tiny-sort, tiny-tool, tiny-guess): a Qwen2 of args.num_layers
+    layers of args.hidden_size, tied embeddings, max_len positions."""
+    return Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size,
+        num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_heads, max_position_embeddings=max_len, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+
+
 @torch.no_grad()
 def greedy_accuracy(model, tokenizer, examples, max_new_tokens=12) -> float:
     tokenizer.padding_side = "left"
@@ -76,13 +87,7 @@ def main(args: Args) -> None:
     torch.set_num_threads(1)  # bit-for-bit reproducible across machines with the same torch
     task = load_task("sort", seed=args.seed)
     tokenizer = make_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size,
-        num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
-        num_key_value_heads=args.num_heads, max_position_embeddings=128, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    model = Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM(tiny_config(tokenizer, args))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     g = torch.Generator().manual_seed(args.seed)
     tokenizer.padding_side = "right"

@@ -47,12 +47,12 @@ from pathlib import Path
 
 import torch
 import tyro
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.calculator import calculate  # noqa: E402
 from common.tasks import load_task  # noqa: E402
-from scripts.make_tiny_model import EOS, make_tokenizer  # noqa: E402
+from scripts.make_tiny_model import EOS, make_tokenizer, tiny_config  # noqa: E402
 
 CALL, RESULT = ("<call>", "</call>"), ("<result>", "</result>")
 MAX_LEN = 128  # max_position_embeddings: prompt and every turn must fit
@@ -107,7 +107,7 @@ def demonstration(example: dict, use_tool: bool) -> list[tuple[str, bool]]:
 
 
 def encode(tokenizer, text: str) -> list[int]:
-    """One token per character (make_tokenizer), EOS included."""
+    """The text's ids, which decode to the text again (EOS included)."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ids) == text, text
     return ids
@@ -214,13 +214,7 @@ def main(args: Args) -> None:
     task = load_task("multiply", seed=args.seed)
     tool_p = {2: args.tool_p2, 3: args.tool_p3, 4: args.tool_p4, 5: args.tool_p5, 6: args.tool_p6}
     tokenizer = make_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size,
-        num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
-        num_key_value_heads=args.num_heads, max_position_embeddings=MAX_LEN, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
-    model = Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM(tiny_config(tokenizer, args, MAX_LEN))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - step / args.sft_steps)
     g = torch.Generator().manual_seed(args.seed)
