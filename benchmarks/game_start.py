@@ -5,8 +5,9 @@ win rate, mean reward, invalid moves and turns per game, and the first transcrip
     .venv/bin/python benchmarks/game_start.py --model smollm2 --games GuessTheNumber-v0 TowerOfHanoi-v0 \\
         --episodes 50 --json benchmarks/results/game_start_smollm2.json -- --max-turn-tokens 64 --max-new-tokens 512
 
-Flags after `--` are grpo_multiturn.py's (the limits, --system-prompt, --temperature is not used:
-greedy). RL needs a start where some episodes win or score partly and moves are mostly legal.
+Flags after `--` are grpo_multiturn.py's (the limits, --system-prompt). Greedy by default;
+`--sampled` plays each game `--completions-per-prompt` times at `--temperature`, as a training step samples it.
+RL needs a start where some episodes win or score partly and moves are mostly legal.
 """
 
 from __future__ import annotations
@@ -40,14 +41,18 @@ def setup(game: str, model: str, flags: list[str]) -> tuple:
     return args, task, env, tokenizer, max_prompt_len
 
 
-def play(llm, game: str, args, task, env, tokenizer, episodes: int) -> dict:
-    """The game's numbers and first transcripts, greedy, on its first held-out games."""
+def play(llm, game: str, args, task, env, tokenizer, episodes: int, sampled: bool) -> dict:
+    """The game's numbers and first transcripts on its first held-out games: greedy, or sampled as training does."""
     examples = task.eval[:episodes]
+    if sampled:
+        examples = [e for e in examples for _ in range(args.completions_per_prompt)]
     prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in examples], args.chat_template, args.system_prompt)
     start = time.perf_counter()
-    played = grpo_multiturn.run_episodes(llm, env, tokenizer, prompt_ids, examples, args, temperature=0.0)
+    played = grpo_multiturn.run_episodes(llm, env, tokenizer, prompt_ids, examples, args,
+                                          temperature=args.temperature if sampled else 0.0)
     rewards = [e.env_reward or 0.0 for e in played]
-    return {"game": game, "episodes": len(played), "win_rate": sum(r >= 1 for r in rewards) / len(played),
+    return {"game": game, "episodes": len(played), "temperature": args.temperature if sampled else 0.0,
+            "win_rate": sum(r >= 1 for r in rewards) / len(played),
             "reward_mean": sum(rewards) / len(played), "prompt_tokens": max(map(len, prompt_ids)),
             **{k.removeprefix("env/"): v for k, v in episode_metrics(played).items()},
             "ended_by": {why: sum(e.ended_by == why for e in played) for why in sorted({e.ended_by for e in played})},
@@ -59,6 +64,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--games", nargs="+", default=["GuessTheNumber-v0", "TowerOfHanoi-v0", "Mastermind-v0"])
     parser.add_argument("--episodes", type=int, default=50)
+    parser.add_argument("--sampled", action="store_true", help="sample each game --completions-per-prompt times at --temperature")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("flags", nargs="*", help="grpo_multiturn.py's flags, after --")
     a = parser.parse_args()
@@ -70,7 +76,7 @@ def main() -> None:
         sync_weights(llm, load_policy(args.model, games[0][4], args.dtype, args.device))
     results = []
     for game, args, task, env, tokenizer, _ in games:
-        result = play(llm, game, args, task, env, tokenizer, a.episodes)
+        result = play(llm, game, args, task, env, tokenizer, a.episodes, a.sampled)
         results.append(result)
         print(f"{game}: win rate {result['win_rate']:.2f}, mean reward {result['reward_mean']:.3f}, invalid moves "
               f"{result['invalid_moves_mean']:.2f} and turns {result['turns_mean']:.2f} a game, ended by "
