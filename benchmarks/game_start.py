@@ -43,15 +43,15 @@ def setup(game: str, model: str, flags: list[str]) -> tuple:
 
 def play(llm, game: str, args, task, env, tokenizer, episodes: int, sampled: bool) -> dict:
     """The game's numbers and first transcripts on its first held-out games: greedy, or sampled as training does."""
-    examples = task.eval[:episodes]
+    examples, temperature = task.eval[:episodes], args.temperature if sampled else 0.0
     if sampled:
         examples = [e for e in examples for _ in range(args.completions_per_prompt)]
     prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in examples], args.chat_template, args.system_prompt)
     start = time.perf_counter()
     played = grpo_multiturn.run_episodes(llm, env, tokenizer, prompt_ids, examples, args,
-                                          temperature=args.temperature if sampled else 0.0)
+                                          temperature=temperature)
     rewards = [e.env_reward or 0.0 for e in played]
-    return {"game": game, "episodes": len(played), "temperature": args.temperature if sampled else 0.0,
+    return {"game": game, "episodes": len(played), "temperature": temperature,
             "win_rate": sum(r >= 1 for r in rewards) / len(played),
             "reward_mean": sum(rewards) / len(played), "prompt_tokens": max(map(len, prompt_ids)),
             **{k.removeprefix("env/"): v for k, v in episode_metrics(played).items()},
