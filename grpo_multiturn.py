@@ -96,8 +96,9 @@ class Args:
     """the environment that answers the model's turns (see common/env.py): calculator, textarena:GAME-ID (a
     TextArena game, which is also the task: common/games.py), or your own: FILE.py:FUNCTION returning an
     Environment (see examples/my_env.py)"""
-    max_turns: int = 3
-    """model turns per episode at most"""
+    max_turns: int | None = None
+    """model turns per episode at most (default: the environment's own, its max_turns: the calculator's 3, a
+    game's turn limit with its retries, 22 for GuessTheNumber-v0; an environment without one: the token budget's)"""
     max_turn_tokens: int = 24
     """tokens per model turn at most (and at most the budget left, --max-new-tokens)"""
     max_new_tokens: int = 64
@@ -257,7 +258,7 @@ def check(args: Args) -> None:
     """This algorithm's own checks, one line each (the shared ones: common/args.py check_args)."""
     need(0 <= args.eps_low < 1, f"--eps-low must be in [0, 1), got {args.eps_low}")
     need(args.eps_high >= 0, f"--eps-high must be >= 0, got {args.eps_high}")
-    need(args.max_turns >= 1, f"--max-turns must be >= 1, got {args.max_turns}")
+    need(args.max_turns is None or args.max_turns >= 1, f"--max-turns must be >= 1, got {args.max_turns}")
     need(args.max_turn_tokens >= 1, f"--max-turn-tokens must be >= 1, got {args.max_turn_tokens}")
 
 
@@ -268,7 +269,8 @@ def run_episodes(llm, env, tokenizer, prompt_ids, examples, args: Args, temperat
     parallel worker processes) and answers each, or the episode ends: at the answer (a turn the
     environment ends), a limit, or an environment timeout."""
     episodes = [Episode(p, env.start(example)) for p, example in zip(prompt_ids, examples)]
-    for turn in range(args.max_turns):
+    max_turns = args.max_turns or env.max_turns or args.max_new_tokens  # the environment's own; a turn >= 1 token
+    for turn in range(max_turns):
         live = [e for e in episodes if e.ended_by is None]
         if not still_running(llm, len(live)):
             break
@@ -299,7 +301,7 @@ def run_episodes(llm, env, tokenizer, prompt_ids, examples, args: Args, temperat
                                   room=args.max_new_tokens - len(e.token_ids))
             if ids is None:  # no room left for a reply
                 e.end("budget")
-            elif turn == args.max_turns - 1:
+            elif turn == max_turns - 1:
                 e.end("max_turns")
             else:
                 e.add_observation(ids, step.observation)

@@ -14,6 +14,9 @@ the task's verifier scores.
 
 An Environment is any object with
     stop                      strings that end a model turn besides EOS, kept in the turn ("</call>")
+    max_turns                 (optional) the most model turns an episode of it takes: --max-turns's
+                              default (the calculator's 3; a game's turn limit with its retries);
+                              None or absent: no limit of its own, the token budget ends an episode
     start(example) -> state   a new episode from a task example; the state is anything the episode
                               keeps (None for the calculator, which remembers nothing)
     step(state, turn) -> Step what the model's turn (its text) gets back
@@ -66,8 +69,9 @@ class Step:
 
 
 class Environment:
-    """The interface (subclass it, or write any object with the same three members)."""
+    """The interface (subclass it, or write any object with the same members; max_turns may be left out)."""
     stop: tuple[str, ...] = ()
+    max_turns: int | None = None
 
     def start(self, example: dict):
         return None
@@ -81,6 +85,7 @@ class Calculator(Environment):
     `<result>84</result>`, or `<result>error: ...</result>` for a call the grammar refuses,
     a division by zero or a number too large. A turn without a call is the final answer."""
     stop = ("</call>",)
+    max_turns = 3  # a call or two, then the answer
     CALL = re.compile(r"<call>(.*)</call>\s*$", re.DOTALL)
 
     def step(self, state, turn: str) -> Step:
@@ -123,6 +128,7 @@ class CheckedEnv:
     def __init__(self, env, spec: str, timeout: float, in_workers: bool = False):
         self.env, self.spec, self.timeout = env, spec, timeout
         self.stop = tuple(env.stop)
+        self.max_turns = getattr(env, "max_turns", None)
         self.recipe = ("common.env", "env_calls", (spec,)) if in_workers else None
 
     def _call(self, what: str, fn, *args):
@@ -222,6 +228,9 @@ def load_env(spec: str, task, timeout: float = 0.0, tokenizer=None, chat_templat
     if missing or not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
         raise ConfigError(f"--env {spec!r}: returned {type(env).__name__}, not an environment (it needs "
                           f"start(example), step(state, turn) and stop, a tuple of non-empty strings: common/env.py)")
+    max_turns = getattr(env, "max_turns", None)
+    if max_turns is not None and not (isinstance(max_turns, int) and not isinstance(max_turns, bool) and max_turns >= 1):
+        raise ConfigError(f"--env {spec!r}: max_turns must be None or an int >= 1, got {max_turns!r}")
     from common.models import has_chat_template
 
     if chat_template and tokenizer is not None and has_chat_template(tokenizer):

@@ -12,8 +12,9 @@ prompt, the model's turn is the action text (the turn ends at "]": the games rea
 move such as [7]), and the observation is the game's new messages only (the transcript already
 holds the history, token-in/token-out). The episode's reward is the game's final reward (1 for a
 win; the game's partial credit otherwise); an episode a script limit cuts (--max-turns, the token
-budget, a timeout) has no outcome and scores 0. An invalid move is counted (env/invalid_moves_mean);
-the game gives one retry message, then ends the game.
+budget, a timeout) has no outcome and scores 0; --max-turns defaults to the game's own limit in
+model turns, its retries included (GuessTheNumber-v0: 22). An invalid move is counted
+(env/invalid_moves_mean); the game gives one retry message, then ends the game.
 
 The library reseeds Python's global `random` in reset and draws from it in its games: every call
 into a game runs with that game's own `random` state, swapped in and out (own_random), so the
@@ -152,7 +153,10 @@ class TextArenaGame(Environment):
 
     def __init__(self, spec: str):
         self.spec = spec
-        checked_game(spec)
+        state = checked_game(spec).state
+        # the game's own limit in model turns: TextArena 0.7.4 ends a game after max_turns + 1 moves
+        # (it checks the limit before counting the turn), each after at most error_allowance retries
+        self.max_turns = (state.max_turns + 1) * (1 + state.error_allowance) if state.max_turns else None
 
     def start(self, example: dict) -> dict:
         state, _ = new_game(self.spec, int(example.get("game_seed", 0)))  # the prompt: the example holds it

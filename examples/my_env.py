@@ -4,7 +4,8 @@
 
 An environment answers each model turn (common/env.py): `start(example)` begins an episode from
 a task example and returns its state, `step(state, turn)` returns a Step whose observation the
-model reads before its next turn, or Step(None) to end the episode. One object serves every
+model reads before its next turn, or Step(None) to end the episode; `max_turns`, if it has one, is
+the most turns an episode of it takes (--max-turns's default). One object serves every
 episode, so what an episode remembers lives in its state. The task's verifier then scores the
 model's last turn, as it scores a single-turn completion.
 
@@ -20,6 +21,7 @@ from common.env import Environment, Step
 class Retry(Environment):
     def __init__(self, attempts: int):
         self.attempts = attempts
+        self.max_turns = attempts  # (optional) its own limit, the default of --max-turns
 
     def start(self, example: dict) -> dict:
         return {"example": example, "answers": 0}

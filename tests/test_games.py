@@ -79,6 +79,21 @@ def test_the_games_own_turn_limit_ends_it_with_its_partial_credit():
     assert steps[-1].reward == pytest.approx(1 - abs(guesses[-1] - target) / 19)
 
 
+def test_the_games_own_limit_in_model_turns_is_max_turns_plus_one_each_with_its_retry():
+    """--max-turns's default (env.max_turns): a player whose every other move is invalid (a retry) and
+    whose valid ones are wrong plays exactly (2 + 1) x 2 = 6 turns of GuessTheNumber-v0:max_turns=2
+    before the game ends it; GuessTheNumber-v0 (10 turns) allows 22."""
+    spec = "GuessTheNumber-v0:max_turns=2"
+    task = make_game_task(spec, num_train=4, num_eval=4)
+    short = load_env("textarena:" + spec, task)
+    assert short.max_turns == 6 and load_env(GAME, task).max_turns == 22
+    state = short.start(task.eval[0])
+    wrong = iter(n for n in range(1, 21) if n != state["game"].game_number)
+    steps = [short.step(state, "no move" if i % 2 == 0 else f"[{next(wrong)}]") for i in range(short.max_turns)]
+    assert [s.invalid_move for s in steps] == [True, False] * 3
+    assert [s.observation is None for s in steps] == [False] * 5 + [True]  # the game's limit, not the script's
+
+
 def test_the_seed_is_the_game_and_the_trainers_random_state_is_untouched(env, task):
     """Same seed, same target (found by counting up); interleaving two games changes neither; the
     caller's global `random` is where it was, though the library reseeds it in every reset."""
@@ -211,18 +226,21 @@ def test_game_episodes_are_the_engines_ids_and_the_messages_ids(task, engine_kin
 
 
 def test_grpo_multiturn_trains_on_the_game(tmp_path, run_main):
-    """Two steps of grpo_multiturn.py in the game: the task follows --env, every reward is the game's
+    """Two steps of grpo_multiturn.py in the game, its turn limit the game's own (no --max-turns): the task
+    follows --env, every reward is the game's
     outcome (1 for a win, else its partial credit, in [0, 1]), the transcripts alternate the model's
     moves and the game's messages, and the game's metrics are logged."""
     out = tmp_path / "run"
     args = run_main("grpo_multiturn.py", "--engine", "transformers", "--model", GUESS_MODEL, "--env", GAME,
-                    "--steps", "2", "--prompts-per-step", "4", "--completions-per-prompt", "4", "--max-turns", "20",
-                    "--max-turn-tokens", "4", "--max-new-tokens", "64", "--eval-every", "0", "--save-every", "0",
+                    "--steps", "2", "--prompts-per-step", "4", "--completions-per-prompt", "4",
+                    "--max-turn-tokens", "4", "--eval-every", "0", "--save-every", "0",
                     "--log-completions", "16", "--output-dir", out)
     assert args.task == GAME
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").open()]
     assert {"env/invalid_moves_mean", "eval/env/turns_per_win", "eval/env/invalid_moves_mean"} <= set(metrics[-1])
     assert metrics[-1]["env/turns_mean"] > 2 and 0.1 <= metrics[0]["eval/accuracy"] <= 0.7
+    train = [m for m in metrics if "env/max_turns_frac" in m]  # (a step-0 line holds the evaluation only)
+    assert len(train) == 2 and all(m["env/max_turns_frac"] == 0 for m in train)  # only the game ends its games
     records = [json.loads(line) for line in (out / "completions.jsonl").open()]
     assert len(records) == 32
     for r in records:

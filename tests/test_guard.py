@@ -216,7 +216,7 @@ class TimesOut:
     """The environment as run_episodes sees it when every call runs past --env-timeout."""
 
     def __init__(self, env):
-        self.stop, self.start = env.stop, env.start
+        self.stop, self.start, self.max_turns = env.stop, env.start, env.max_turns
 
     def steps(self, states, turns):
         return [None] * len(turns)

@@ -152,6 +152,19 @@ def test_max_turns_ends_after_a_call_without_a_trailing_observation(tokenizer):
     assert len(llm.calls) == 2
 
 
+def test_max_turns_defaults_to_the_environments_own_then_to_the_budget(tokenizer):
+    """No --max-turns: the calculator's own 3 turns end the episode; an environment without a limit
+    (max_turns None) runs until the token budget ends it: 6 calls and 5 results, 6 x 16 + 5 x 18 = 186."""
+    calls = ["<call>1+1</call>"] * 9
+    (e,), llm = episodes_of(tokenizer, {"q:": calls}, max_new_tokens=256)
+    assert (e.ended_by, e.tool_calls, len(llm.calls)) == ("max_turns", 3, 3)
+    unlimited = calculator()
+    unlimited.max_turns = None
+    (e,), llm = episodes_of(tokenizer, {"q:": calls}, env=unlimited, max_new_tokens=186)
+    assert (len(ids(tokenizer, "<call>1+1</call>")), len(ids(tokenizer, "<result>2</result>"))) == (16, 18)
+    assert (e.ended_by, e.tool_calls, len(llm.calls)) == ("budget", 6, 6)
+
+
 def test_a_turn_past_max_turn_tokens_ends_the_episode_truncated(tokenizer):
     (e, ok), llm = episodes_of(tokenizer, {"q1:": ["<call>123456789</call>"], "q2:": ["42" + EOS]}, max_turn_tokens=8)
     assert [p.max_tokens for p in llm.calls[0][1]] == [8, 8]
@@ -266,6 +279,10 @@ def stop_holds_a_number():
     env = Raising(); env.stop = ("</call>", 3); return env
 def stop_holds_an_empty_string():
     env = Raising(); env.stop = ("",); return env
+def max_turns_zero():
+    env = Raising(); env.max_turns = 0; return env
+def max_turns_a_string():
+    env = Raising(); env.max_turns = "3"; return env
 def start_raises():
     env = Raising(); env.start = lambda example: 1 / 0; return env
 '''
@@ -380,6 +397,9 @@ def test_a_step_that_returns_no_step_is_one_line(tokenizer, env_file, function, 
     ("{file}:stop_holds_a_number", "--env '{file}:stop_holds_a_number': returned Raising, not an environment"),
     ("{file}:stop_holds_an_empty_string", "--env '{file}:stop_holds_an_empty_string': returned Raising, not an "
                                           "environment"),
+    ("{file}:max_turns_zero", "--env '{file}:max_turns_zero': max_turns must be None or an int >= 1, got 0"),
+    ("{file}:max_turns_a_string", "--env '{file}:max_turns_a_string': max_turns must be None or an int >= 1, "
+                                  "got '3'"),
     ("{file}:start_raises", "--env '{file}:start_raises': start raised ZeroDivisionError: division by zero"),
 ])
 def test_a_bad_env_is_one_line(env_file, spec, message):
