@@ -229,8 +229,8 @@ def load_env(spec: str, task, timeout: float = 0.0, tokenizer=None, chat_templat
         raise ConfigError(f"--env {spec!r}: returned {type(env).__name__}, not an environment (it needs "
                           f"start(example), step(state, turn) and stop, a tuple of non-empty strings: common/env.py)")
     max_turns = getattr(env, "max_turns", None)
-    if max_turns is not None and not (isinstance(max_turns, int) and not isinstance(max_turns, bool) and max_turns >= 1):
-        raise ConfigError(f"--env {spec!r}: max_turns must be None or an int >= 1, got {max_turns!r}")
+    need(max_turns is None or (type(max_turns) is int and max_turns >= 1),
+         f"--env {spec!r}: max_turns must be None or an int >= 1, got {max_turns!r}")
     from common.models import has_chat_template
 
     if chat_template and tokenizer is not None and has_chat_template(tokenizer):
