@@ -90,8 +90,9 @@ class SyncGuard:
 
     def check(self, mismatch: float) -> str | None:
         """After a step: None, or the line that stops the run. Under torchrun mismatch is the mean over
-        ranks (Run.end_step's), so every rank decides alike."""
-        if self.bound is None:
+        ranks (Run.end_step's), so every rank decides alike. NaN: no measure this step (grpo_async.py's
+        stale batches, sampled by an older policy on purpose), the count left as it is."""
+        if self.bound is None or math.isnan(mismatch):
             return None
         self.in_a_row = self.in_a_row + 1 if mismatch > self.bound else 0
         if self.in_a_row < self.max_in_a_row:

@@ -1,0 +1,93 @@
+"""grpo_async.py: K = 0 is grpo.py, a batch is never more than K versions old (and exactly as old as
+the order of sampling and syncing says), and the stale batches' tokens are weighted by the
+decoupled correction min(pi_prox / pi_behav, 2)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from common.guard import SyncGuard
+from tests.test_grpo_e2e import SMALL, read_metrics
+
+TIMED = ("time/", "throughput/", "memory/")  # wall-clock measurements: never the same twice
+# the transformers engine seeds each sample by (seed, call count, index): two runs sample alike
+RUN = ["--engine", "transformers", "--steps", "4", "--eval-every", "0", "--save-every", "0", *SMALL]
+
+
+def test_max_staleness_0_is_grpo_step_for_step(tmp_path, run_main):
+    """The same batches (rewards, lengths), losses, gradient norms and final weights, to fp32 rounding."""
+    run_main("grpo.py", *RUN, "--output-dir", tmp_path / "grpo")
+    run_main("grpo_async.py", *RUN, "--max-staleness", "0", "--output-dir", tmp_path / "async")
+    grpo, async_ = read_metrics(tmp_path / "grpo"), read_metrics(tmp_path / "async")
+    assert len(grpo) == len(async_) == 5
+    for a, b in zip(grpo[1:], async_[1:]):
+        assert b["async/staleness_mean"] == 0 and b["async/logprob_gap"] == b["rollout/logprob_mismatch"]
+        for k in a:
+            if not k.startswith(TIMED):
+                assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), (a["step"], k)
+    assert grpo[-1]["eval/accuracy"] == async_[-1]["eval/accuracy"]
+    weights = [AutoModelForCausalLM.from_pretrained(tmp_path / run / "final").state_dict()
+               for run in ("grpo", "async")]
+    assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-6) for k in weights[0])
+
+
+@pytest.mark.parametrize("K, sync_every, staleness", [
+    (0, 1, [0, 0, 0, 0, 0, 0]),
+    (1, 1, [0, 1, 1, 1, 1, 1]),  # batches 0 and 1 sampled by version 0, then each by the step before
+    (2, 1, [0, 1, 2, 2, 2, 2]),
+    (1, 2, [0, 1, 0, 1, 0, 1]),  # weights after steps 2, 4, 6: batch 2 waits for version 2 (a 1-step-old one would do)
+    (2, 3, [0, 1, 2, 0, 1, 2]),
+])
+def test_each_batch_is_as_old_as_the_order_of_sampling_and_syncing_makes_it(K, sync_every, staleness, tmp_path,
+                                                                             run_main):
+    run_main("grpo_async.py", "--engine", "vllm", "--steps", "6", "--eval-every", "0", "--save-every", "0", *SMALL,
+             "--max-staleness", K, "--sync-every", sync_every, "--output-dir", tmp_path / "run")
+    metrics = read_metrics(tmp_path / "run")[1:]
+    assert [m["async/staleness_mean"] for m in metrics] == staleness
+    # fresh batches measure the sync (the guard's); stale ones are the policy's own moves, larger
+    fresh = [m["rollout/logprob_mismatch"] for m, s in zip(metrics, staleness) if s == 0]
+    stale = [m["async/logprob_gap"] for m, s in zip(metrics, staleness) if s > 0]
+    assert all(g < 1e-4 for g in fresh) and all(g > 1e-3 for g in stale), (fresh, stale)
+
+
+def test_stale_tokens_are_weighted_by_the_truncated_ratio_of_proximal_to_behaviour(tmp_path, run_main, monkeypatch):
+    """--rollout-correction auto at K = 1 in fp32: w_t = min(pi_prox / pi_behav, 2), far from 1 on the stale
+    batches (pi_behav is the policy a step earlier), ~1 on the fresh batch 0 (fp32 numerics alone)."""
+    import grpo_async
+
+    seen = []
+    rollout_correction = grpo_async.rollout_correction
+
+    def recorded(old_logprobs, engine_logprobs, mask, correction):
+        weights = rollout_correction(old_logprobs, engine_logprobs, mask, correction)
+        seen.append((old_logprobs, engine_logprobs, mask.bool(), correction, weights))
+        return weights
+
+    monkeypatch.setattr(grpo_async, "rollout_correction", recorded)
+    run_main("grpo_async.py", "--engine", "vllm", "--steps", "3", "--eval-every", "0", "--save-every", "0", *SMALL,
+             "--num-minibatches", "1", "--micro-batch-size", "16", "--output-dir", tmp_path / "run")
+    assert len(seen) == 3  # one micro-batch a step
+    for step, (old, behaviour, mask, correction, weights) in enumerate(seen):
+        assert (correction.mode, correction.cap) == ("token-truncate", 2.0)
+        expected = torch.where(mask, torch.exp(old - behaviour).clamp(max=2.0), 1.0)
+        assert torch.allclose(weights, expected, atol=1e-6), step
+        off_one = (weights - 1).abs()[mask].max()
+        assert off_one < 1e-3 if step == 0 else off_one > 1e-2, (step, off_one)
+
+
+def test_a_stale_step_neither_counts_nor_resets_the_sync_guard():
+    guard = SyncGuard(2, "fp32")
+    assert guard.check(1.0) is None and guard.check(float("nan")) is None
+    assert guard.check(1.0).startswith("the engine is not sampling from the policy")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-staleness", "-1"], "--max-staleness must be >= 0, got -1"),
+    (["--max-staleness", "1", "--sync-every", "3"], "--sync-every must be in [1, --max-staleness + 1 = 2]"),
+    (["--engine", "transformers", "--sync-every", "2", "--max-staleness", "2"], "--sync-every > 1 with --engine "),
+])
+def test_bad_async_flags_are_one_line(flags, message, run_main, tmp_path):
+    from common.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="^" + message.replace("[", r"\[").replace("+", r"\+")):
+        run_main("grpo_async.py", *flags, "--output-dir", tmp_path / "run")
