@@ -39,6 +39,7 @@ if __name__ == "__main__":
     use_tcmalloc()  # on CPU: this process again, with tcmalloc preloaded, before torch is imported
 
 import dataclasses
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -50,13 +51,14 @@ import tyro
 from common import dist
 from common.args import cli
 from common.batch import draw_minibatches, micro_batches, rollout_batch
-from common.engine import awake, create_engine, sampled_logprobs, sampling_params, sync_weights
+from common.engine import awake, create_engine, sampled_logprobs, sampling_params
 from common.errors import need
 from common.guard import step_if_finite
 from common.metrics import minibatch_stats, step_metrics, timed
 from common.models import encode_prompts, load_policy, load_reference
 from common.ops import (RolloutCorrection, aggregate, batched_logprobs, forward_logprobs, kl_loss, masked_mean,
                         rollout_correction)
+from common.rollouts import Ahead, Remote, serve
 from common.run import Run, seed_everything
 from common.setup import Precision, engine_options, prepare
 
@@ -109,6 +111,10 @@ class Args:
     sync_every: int = 1
     """send the trainer's weights to the engine after every N steps (and before each evaluation); at most K + 1,
     so that the engine reaches the version the next batch needs"""
+    rollout_ranks: int = 0
+    """under torchrun: the last R ranks run engines and sample while the others train (FSDP2 among themselves);
+    --engine transformers for now (vLLM's in-process engine makes process groups with every rank); 0: every
+    rank samples and trains in turn, as grpo.py's ranks do"""
 
     # optimization
     lr: float = 2e-4
@@ -252,7 +258,10 @@ def check(args: Args) -> None:
     need(1 <= args.sync_every <= args.max_staleness + 1,
          f"--sync-every must be in [1, --max-staleness + 1 = {args.max_staleness + 1}] (the engine would wait for "
          f"weights the trainer sends only after training on what the engine has not sampled), got {args.sync_every}")
-    need(args.sync_every == 1 or args.engine != "transformers",
+    need(not args.rollout_ranks or args.engine == "transformers",
+         "--rollout-ranks needs --engine transformers for now: vLLM's in-process engine creates its process groups "
+         "with every rank, and the trainer ranks have none")
+    need(args.sync_every == 1 or args.engine != "transformers" or args.rollout_ranks,
          "--sync-every > 1 with --engine transformers: that engine samples the trainer's own weights, synced always")
 
 
@@ -297,16 +306,45 @@ def update(policy, optimizer, scheduler, args: Args, precision, minibatches, inp
     return step_stats, old_logprobs
 
 
+def sample(llm, tokenizer, task, args: Args, prompt_sampler, rollout_params):
+    """Step 1, on the engine's side: one batch, this rank's share of the step's prompts with G completions
+    each, and the prompt sampler's state after drawing them (a checkpoint resumes from it)."""
+    idx = torch.randint(len(task.train), (args.prompts_per_step,), generator=prompt_sampler).tolist()
+    examples = dist.share([task.train[i] for i in idx])  # this rank's prompts: B = len(examples) * G
+    prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in examples], args.chat_template, args.system_prompt)
+    with awake(llm):  # with sleep mode (CUDA), vLLM's memory is freed again after the rollout
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], rollout_params, use_tqdm=False)
+    completions = [c for out in outputs for c in out.outputs]  # G per prompt, consecutive
+    return examples, prompt_ids, completions, prompt_sampler.get_state()
+
+
+def engine_side(args: Args, device, tokenizer, task, max_prompt_len, precision):
+    """A rollout rank (torchrun with --rollout-ranks): an engine, and a copy of the policy that the trainer's
+    weights are broadcast into and the engine is synced from; it samples until the trainer says stop."""
+    llm = create_engine(args.model, **engine_options(args, max_prompt_len, precision))
+    seed_everything(args.seed, dist.rank())
+    model = load_policy(args.model, tokenizer, args.dtype, device)  # the weights as the engine holds them: merged
+    prompt_sampler = torch.Generator().manual_seed(args.seed)  # the trainer's first sync sets its state
+    ahead = Ahead(lambda: sample(llm, tokenizer, task, args, prompt_sampler, sampling_params(args, tokenizer)), llm,
+                  prompt_sampler, args.max_staleness, args.steps)
+    sys.exit(serve(ahead, model))  # its status: 0; the trainer's says how the run ended
+
+
 def main(args: Args) -> None:
     # ---------------------------------------------------------------- setup
     device = dist.init(args.device)  # --device; under torchrun: the ranks' process group, before vLLM exists
+    samples = dist.split(args.rollout_ranks)  # under torchrun: the last R ranks sample, the others train
     task, reward_fn, tokenizer, max_prompt_len = prepare(args, check)  # every check, before anything heavy
-    run = Run(args)  # the run folder (new, or the resumed run's), checked before anything heavy
     precision = Precision.of(args, device)  # bf16 autocast or fp32: --precision
     if args.rollout_correction == "auto" and args.max_staleness > 0:  # pi_prox / pi_behav leaves 1 in any numerics
         precision = dataclasses.replace(precision, rollout_correction=RolloutCorrection.of(
             "token-truncate", args.rollout_correction_cap))
-    llm = create_engine(args.model, **engine_options(args, max_prompt_len, precision))
+    if samples:
+        return engine_side(args, device, tokenizer, task, max_prompt_len, precision)
+    run = Run(args)  # the run folder (new, or the resumed run's), checked before anything heavy
+    # one process: the engine here, sampling in turn with the updates; torchrun: the rollout ranks' (common/rollouts.py)
+    llm = Remote(args.engine) if dist.ROLLOUT_RANKS else create_engine(args.model, **engine_options(
+        args, max_prompt_len, precision))
     seed_everything(args.seed, dist.rank())  # each rank its own; after the engine, which reseeds the global RNGs
     policy = dist.shard(load_policy(args.model, tokenizer, args.dtype, device, args.gradient_checkpointing,
                                     args.lora_rank, args.lora_alpha, args.lora_target_modules,
@@ -321,33 +359,25 @@ def main(args: Args) -> None:
                                   weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
     prompt_sampler = torch.Generator().manual_seed(args.seed)
-    run.restore(models, optimizer, scheduler, prompt_sampler)  # a checkpoint's state on --resume
-    sync_weights(llm, policy)  # vLLM loaded args.model; after --resume the policy differs
-    run.start(llm, tokenizer, task)  # says what runs where, evaluates the starting policy
+    state = run.restore(models, optimizer, scheduler, prompt_sampler)  # a checkpoint's state on --resume
     rollout_params = sampling_params(args, tokenizer)  # G completions a prompt, ending at EOS or end of turn
+    rollouts = llm if isinstance(llm, Remote) else Ahead(
+        lambda: sample(llm, tokenizer, task, args, prompt_sampler, rollout_params), llm, prompt_sampler,
+        args.max_staleness, args.steps)
+    # the engine gets the policy (vLLM loaded args.model; after --resume the policy differs) and samples from the
+    # run's start: a resumed run trains on nothing sampled before its checkpoint, and draws the prompts the
+    # uninterrupted run drew after it (the sampler's state after the checkpoint's last batch)
+    rollouts.sync(policy, run.start_step, state.get("prompt_sampler_after", prompt_sampler.get_state()))
+    run.start(llm, tokenizer, task)  # says what runs where, evaluates the starting policy
     G, B = args.completions_per_prompt, args.prompts_per_step // dist.world_size() * args.completions_per_prompt
-    K = args.max_staleness
-    # the policy's version is the step it has reached; the engine's, the version it was last sent (a resumed run
-    # samples afresh from the checkpoint's: nothing sampled before it is trained on)
-    engine_version, next_rollout, sampled = run.start_step, run.start_step, {}  # sampled: step -> batch, ahead
     for step in run.steps():  # a progress bar; Ctrl-C / SIGTERM: this step ends, is saved, exit
         times = {}
         t_step = time.perf_counter()
-        # ---------------------------------------------------------------- 1. rollout (ahead, <= K versions old)
-        with timed(times, "rollout"):
-            # the batches of the steps up to step + K, each once the engine holds version >= its step - K
-            while next_rollout <= min(step + K, args.steps - 1) and engine_version >= next_rollout - K:
-                idx = torch.randint(len(task.train), (args.prompts_per_step,), generator=prompt_sampler).tolist()
-                examples = dist.share([task.train[i] for i in idx])  # this rank's prompts: B = len(examples) * G
-                prompt_ids = encode_prompts(tokenizer, [e["prompt"] for e in examples], args.chat_template,
-                                            args.system_prompt)
-                with awake(llm):  # with sleep mode (CUDA), vLLM's memory is freed again after the rollout
-                    outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], rollout_params,
-                                           use_tqdm=False)
-                completions = [c for out in outputs for c in out.outputs]  # G per prompt, consecutive
-                sampled[next_rollout] = examples, prompt_ids, completions, engine_version  # tagged with its version
-                next_rollout += 1
-            examples, prompt_ids, completions, behaviour_version = sampled.pop(step)
+        # ---------------------------------------------------------------- 1. rollout (<= K versions old)
+        with timed(times, "rollout"):  # under torchrun: the wait for a batch sampled meanwhile
+            # the engine samples the batch of step n once it holds version >= n - K, and none beyond step + K
+            examples, prompt_ids, completions, prompt_sampler_after, behaviour_version, sampling_s = \
+                rollouts.batch(step)
             staleness = step - behaviour_version  # in [0, K]: the policy has taken this many steps since
 
         # ---------------------------------------------------------------- 2. reward
@@ -390,8 +420,7 @@ def main(args: Args) -> None:
         with timed(times, "sync"):
             evaluates = (args.eval_every and (step + 1) % args.eval_every == 0) or step + 1 == args.steps
             if (step + 1) % args.sync_every == 0 or evaluates:  # evaluations sample the policy as it is
-                sync_weights(llm, policy)
-                engine_version = step + 1
+                rollouts.sync(policy, step + 1)
 
         # ---------------------------------------------------------------- 7. log / eval / checkpoint
         times["step"] = time.perf_counter() - t_step
@@ -400,10 +429,13 @@ def main(args: Args) -> None:
         gap = metrics["rollout/logprob_mismatch"]  # pi_prox against pi_behav: the policy's moves since, and numerics
         # the sync guard (common/guard.py) judges fresh batches only: a stale one's gap is not a lost sync
         metrics.update({"async/staleness_mean": staleness, "async/logprob_gap": gap,
-                        "rollout/logprob_mismatch": gap if staleness == 0 else float("nan")})
+                        "rollout/logprob_mismatch": gap if staleness == 0 else float("nan"),
+                        # each side's share of the step's time: the trainer waits in 1., the engine samples
+                        "async/trainer_idle_frac": times["rollout"] / times["step"],
+                        "async/engine_busy_frac": min(1.0, sampling_s / times["step"])})
         run.log_completions(step + 1, [e["prompt"] for e in examples], [c.text for c in completions], rewards,
                             reward_parts, advantages)
-        run.end_step(step + 1, metrics)  # eval, log, save when due
+        run.end_step(step + 1, metrics, prompt_sampler_after=prompt_sampler_after)  # eval, log, save when due
 
     run.finish(policy, tokenizer, run.eval_metrics)
 

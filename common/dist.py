@@ -17,6 +17,10 @@ torch.distributed a world of size 1 of its own. On CUDA it is one group with two
 (`backend`): NCCL for CUDA tensors (FSDP2's gathers and reductions, the loss normalizers) and gloo
 for CPU ones (the metrics, the signal flags, the pickled objects of `broadcast` and
 `all_gather_objects`); NCCL alone raises on a CPU tensor.
+
+grpo_async.py splits torchrun's ranks in two (`split`): the last R sample, the others train, and each
+side is a world of its own to everything here (GROUP): the trainer ranks shard, reduce and save among
+themselves as the ranks of any script do, the rollout ranks share each batch's prompts as theirs.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ import torch.distributed as tdist
 
 from common.errors import need
 from common.ops import masked_mean
+
+GROUP = None  # the ranks this one computes with: every rank (None), or its side of grpo_async.py's split
+SYNC = None  # grpo_async.py: the first trainer rank and the rollout ranks, which its weights are broadcast to
+ROLLOUT_RANKS: list[int] = []  # grpo_async.py: the rollout ranks' global ranks
 
 
 def backend(device_type: str) -> str:
@@ -72,14 +80,36 @@ def init(device: str = "auto") -> str:
     return device
 
 
+def split(rollout_ranks: int) -> bool:
+    """grpo_async.py under torchrun: the last `rollout_ranks` ranks sample and the others train, each side
+    GROUP to the functions here; returns whether this rank samples. One process or 0: nothing happens."""
+    global GROUP, SYNC, ROLLOUT_RANKS
+    if processes() == 1 or rollout_ranks == 0:
+        return False
+    W = processes()
+    need(0 < rollout_ranks < W, f"--rollout-ranks must leave a trainer rank: 1 to {W - 1} of torchrun's {W} "
+                                f"processes, got {rollout_ranks}")
+    ROLLOUT_RANKS = list(range(W - rollout_ranks, W))
+    groups = [tdist.new_group(list(range(W - rollout_ranks))), tdist.new_group(ROLLOUT_RANKS),
+              tdist.new_group([0, *ROLLOUT_RANKS])]  # every rank creates every group, in the same order
+    sampler = tdist.get_rank() in ROLLOUT_RANKS
+    GROUP, SYNC = groups[1] if sampler else groups[0], groups[2]
+    return sampler
+
+
+def processes() -> int:
+    """torchrun's processes, both sides of a split counted."""
+    return tdist.get_world_size() if tdist.is_initialized() else 1
+
+
 def world_size() -> int:
     # a one-process run's vLLM engine initializes torch.distributed as a world of size 1
-    return tdist.get_world_size() if tdist.is_initialized() else 1
+    return tdist.get_world_size(GROUP) if tdist.is_initialized() else 1
 
 
 def rank() -> int:
     # before init (parsing the arguments) torchrun's RANK says it
-    return tdist.get_rank() if tdist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return tdist.get_rank(GROUP) if tdist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def is_main() -> bool:
@@ -106,7 +136,7 @@ def all_sum(x) -> torch.Tensor:
     that normalize a loss or a baseline are the global ones."""
     x = torch.as_tensor(x).detach().to(torch.float64).clone()
     if world_size() > 1:
-        tdist.all_reduce(x)
+        tdist.all_reduce(x, group=GROUP)
     return x
 
 
@@ -114,7 +144,7 @@ def all_max(x: torch.Tensor) -> torch.Tensor:
     """x's elementwise max over ranks, as a new tensor."""
     x = x.detach().clone()
     if world_size() > 1:
-        tdist.all_reduce(x, op=tdist.ReduceOp.MAX)
+        tdist.all_reduce(x, op=tdist.ReduceOp.MAX, group=GROUP)
     return x
 
 
@@ -131,7 +161,7 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
     if world_size() == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(world_size())]
-    tdist.all_gather(parts, x.contiguous())
+    tdist.all_gather(parts, x.contiguous(), group=GROUP)
     return torch.cat(parts)
 
 
@@ -174,7 +204,7 @@ def all_gather_objects(items: list) -> list:
     if world_size() == 1:
         return items
     lists = [None] * world_size()
-    tdist.all_gather_object(lists, items)
+    tdist.all_gather_object(lists, items, group=GROUP)
     return [item for part in lists for item in part]
 
 
@@ -206,7 +236,7 @@ def broadcast(obj):
     if world_size() == 1:
         return obj
     box = [obj]
-    tdist.broadcast_object_list(box, src=0)
+    tdist.broadcast_object_list(box, group=GROUP, group_src=0)
     return box[0]
 
 
@@ -227,7 +257,7 @@ def on_main(fn, *args):
 
 def barrier() -> None:
     if world_size() > 1:
-        tdist.barrier()
+        tdist.barrier(group=GROUP)
 
 
 def shard(model: torch.nn.Module, precision, called_alone: tuple = ()) -> torch.nn.Module:
@@ -250,19 +280,21 @@ def shard(model: torch.nn.Module, precision, called_alone: tuple = ()) -> torch.
     nothing."""
     if world_size() == 1 or not any(True for _ in model.parameters()):  # e.g. LoRA's reference: adapters off
         return model
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     for p in model.parameters():  # rank 0's weights everywhere (see above)
-        tdist.broadcast(p.detach(), src=0)
+        tdist.broadcast(p.detach(), group=GROUP, group_src=0)
     bf16 = precision.autocast_dtype
     policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+    mesh = None if GROUP is None else DeviceMesh.from_group(GROUP, next(model.parameters()).device.type)
     for module in model.modules():
         if type(module).__name__ in layer_classes:
-            fully_shard(module, mp_policy=policy)
+            fully_shard(module, mesh=mesh, mp_policy=policy)
     for module in called_alone:
-        fully_shard(module, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # a sum over ranks, not a mean

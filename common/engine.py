@@ -336,6 +336,7 @@ def sampling_params(args, tokenizer, **changes):
 def _sampling_params_class(engine):
     """vLLM's SamplingParams, or the TransformersEngine's (engine: an engine or --engine's value).
     vLLM is imported here, not at the top: the transformers engine runs without it."""
+    engine = getattr(engine, "engine_kind", engine)  # grpo_async.py's Remote: the rollout ranks' engine (its --engine)
     if engine == "transformers" or isinstance(engine, TransformersEngine):
         return SamplingParams
     from vllm import SamplingParams as VllmSamplingParams

@@ -131,7 +131,7 @@ class Run:
             self.unlock()  # a run refused at its start leaves no lock file behind
             raise
         args.resume = dist.broadcast(args.resume)  # rank 0's checkpoint, whatever another node's working folder
-        self.launch = {"world_size": dist.world_size(), "device": dist.pick_device(args.device),
+        self.launch = {"world_size": dist.processes(), "device": dist.pick_device(args.device),
                        "allocator": allocator()}
         self.logger = MetricsLogger(self.dir, args, self.start_step, args.tensorboard, args.track, args.wandb_project,
                                     self.launch) if dist.is_main() else None
@@ -351,7 +351,7 @@ class Run:
         rng = rng_states()  # each rank's generators, resumed by that rank
         with atomic_folder(path) if dist.is_main() else contextlib.nullcontext(path + ".tmp") as tmp:
             dist.barrier()  # rank 0 made the folder
-            dcp_save(optimizer_state, checkpoint_id=os.path.join(tmp, "optimizer"))  # every rank writes its shard
+            dcp_save(optimizer_state, checkpoint_id=os.path.join(tmp, "optimizer"), process_group=dist.GROUP)  # every rank writes its shard
             if dist.is_main():
                 for name, model in models.items():
                     model.save_pretrained(os.path.join(tmp, name), state_dict=weights[name])
@@ -369,7 +369,7 @@ class Run:
         state = torch.load(os.path.join(self.args.resume, "trainer_state.pt"), weights_only=False)
         set_rng_states(state["rng"])
         optimizer_state = {"optimizer": dist.optimizer_state_dict(models, optimizer)}
-        dcp_load(optimizer_state, checkpoint_id=os.path.join(self.args.resume, "optimizer"))
+        dcp_load(optimizer_state, checkpoint_id=os.path.join(self.args.resume, "optimizer"), process_group=dist.GROUP)
         dist.load_optimizer_state_dict(models, optimizer, optimizer_state["optimizer"])
         return state
 

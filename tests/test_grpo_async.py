@@ -91,3 +91,27 @@ def test_bad_async_flags_are_one_line(flags, message, run_main, tmp_path):
 
     with pytest.raises(ConfigError, match="^" + message.replace("[", r"\[").replace("+", r"\+")):
         run_main("grpo_async.py", *flags, "--output-dir", tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_one_rollout_rank_and_one_trainer_rank_at_k0_are_grpo_in_one_process(tmp_path, run_main):
+    """torchrun: rank 1 samples (its own engine and copy of the policy, synced by broadcast), rank 0 trains.
+    At K = 0 they take turns exactly as grpo.py's one process: the same batches, losses and final weights (to
+    the rounding of one thread against two); at K = 1 each batch after the first is one version old."""
+    from tests.test_dist import torchrun
+
+    run_main("grpo.py", *RUN, "--output-dir", tmp_path / "grpo")
+    for K in (0, 1):
+        job = torchrun("grpo_async.py", *RUN, "--rollout-ranks", 1, "--max-staleness", K, "--output-dir",
+                       tmp_path / f"async{K}")
+        output = job.communicate(timeout=600)[0]
+        assert job.returncode == 0, output[-3000:]
+    grpo, async0, async1 = (read_metrics(tmp_path / run) for run in ("grpo", "async0", "async1"))
+    assert [m["async/staleness_mean"] for m in async1[1:]] == [0, 1, 1, 1]
+    for a, b in zip(grpo[1:], async0[1:]):
+        assert b["async/staleness_mean"] == 0
+        for k in ("reward/mean", "reward/std", "response/length_mean", "loss/total", "optim/grad_norm", "kl/ref"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4), (a["step"], k)
+    assert grpo[-1]["eval/accuracy"] == async0[-1]["eval/accuracy"]
+    weights = [AutoModelForCausalLM.from_pretrained(tmp_path / run / "final").state_dict() for run in ("grpo", "async0")]
+    assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-5) for k in weights[0])
