@@ -39,7 +39,6 @@ if __name__ == "__main__":
     use_tcmalloc()  # on CPU: this process again, with tcmalloc preloaded, before torch is imported
 
 import dataclasses
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -327,7 +326,7 @@ def engine_side(args: Args, device, tokenizer, task, max_prompt_len, precision):
     prompt_sampler = torch.Generator().manual_seed(args.seed)  # the trainer's first sync sets its state
     ahead = Ahead(lambda: sample(llm, tokenizer, task, args, prompt_sampler, sampling_params(args, tokenizer)), llm,
                   prompt_sampler, args.max_staleness, args.steps)
-    sys.exit(serve(ahead, model))  # its status: 0; the trainer's says how the run ended
+    serve(ahead, model)
 
 
 def main(args: Args) -> None:

@@ -37,12 +37,14 @@ class Ahead:
     first sync says where the run starts."""
 
     def __init__(self, sample, llm, prompt_sampler: torch.Generator, max_staleness: int, steps: int):
-        self.sample, self.llm, self.prompt_sampler, self.K, self.steps = sample, llm, prompt_sampler, max_staleness, steps
+        self.sample, self.llm, self.prompt_sampler = sample, llm, prompt_sampler
+        self.K, self.steps = max_staleness, steps
         self.version, self.sampled, self.busy = None, {}, 0.0  # nothing is sampled before the first sync
 
     def fill(self, upto: int) -> None:
         """Samples the batches up to step `upto` that the engine's version allows (>= their step - K)."""
-        while self.version is not None and self.next <= min(upto, self.steps - 1) and self.version >= self.next - self.K:
+        last = min(upto, self.steps - 1)
+        while self.version is not None and self.version >= self.next - self.K and self.next <= last:
             t0 = time.perf_counter()
             self.sampled[self.next] = (*self.sample(), self.version)
             self.busy += time.perf_counter() - t0
@@ -69,7 +71,6 @@ class Ahead:
             self.next, self.served, self.sampled = version, version - 1, {}  # served: the last step handed over
 
 
-
 def send(obj, dst: int) -> None:
     tdist.send_object_list([obj], dst=dst)
 
@@ -91,7 +92,7 @@ class Remote:
     def __init__(self, kind: str):
         self.engine_kind = kind  # --engine: which SamplingParams the rollout ranks' engine takes
         self.closed = False
-        atexit.register(self.close)  # however the trainer ends (done, Ctrl-C, SIGTERM, an error): the rollout ranks too
+        atexit.register(self.close)  # however the trainer ends (done, Ctrl-C, SIGTERM, an error): they stop
 
     def ask(self, command: tuple, ranks=None) -> list:
         """command to the rollout ranks (all, or `ranks`) and their replies; a rollout rank's error is raised."""
@@ -133,10 +134,10 @@ class Remote:
                 send(("stop",), r)
 
 
-def serve(ahead: Ahead, model) -> int:
-    """A rollout rank's loop, until the trainer says stop (its exit code is returned): hand over a batch when
-    asked and sample ahead; take weights into `model` and sync the engine from it; generate for the
-    evaluations. Ctrl-C and SIGTERM are left to the trainer ranks, which save and then say stop; an error
+def serve(ahead: Ahead, model) -> None:
+    """A rollout rank's loop, until the trainer says stop (its exit status says how the run ended): hand
+    over a batch when asked and sample ahead; take weights into `model` and sync the engine from it;
+    generate for the evaluations. Ctrl-C and SIGTERM are left to the trainer ranks, which save and then say stop; an error
     here is the reply to the trainer's next request (raised there)."""
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
@@ -144,7 +145,7 @@ def serve(ahead: Ahead, model) -> int:
     while True:
         command, *payload = recv(0)
         if command == "stop":
-            return 0  # the trainer's exit status says how the run ended
+            return
         try:
             if error is not None:
                 raise error

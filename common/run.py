@@ -351,7 +351,8 @@ class Run:
         rng = rng_states()  # each rank's generators, resumed by that rank
         with atomic_folder(path) if dist.is_main() else contextlib.nullcontext(path + ".tmp") as tmp:
             dist.barrier()  # rank 0 made the folder
-            dcp_save(optimizer_state, checkpoint_id=os.path.join(tmp, "optimizer"), process_group=dist.GROUP)  # every rank writes its shard
+            # every rank writes its shard
+            dcp_save(optimizer_state, checkpoint_id=os.path.join(tmp, "optimizer"), process_group=dist.GROUP)
             if dist.is_main():
                 for name, model in models.items():
                     model.save_pretrained(os.path.join(tmp, name), state_dict=weights[name])

@@ -113,5 +113,22 @@ def test_one_rollout_rank_and_one_trainer_rank_at_k0_are_grpo_in_one_process(tmp
         for k in ("reward/mean", "reward/std", "response/length_mean", "loss/total", "optim/grad_norm", "kl/ref"):
             assert b[k] == pytest.approx(a[k], rel=1e-4), (a["step"], k)
     assert grpo[-1]["eval/accuracy"] == async0[-1]["eval/accuracy"]
-    weights = [AutoModelForCausalLM.from_pretrained(tmp_path / run / "final").state_dict() for run in ("grpo", "async0")]
+    weights = [AutoModelForCausalLM.from_pretrained(tmp_path / run / "final").state_dict()
+               for run in ("grpo", "async0")]
     assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-5) for k in weights[0])
+
+
+def test_a_resumed_run_draws_the_prompts_the_uninterrupted_run_drew(tmp_path, run_main):
+    """At K = 2 the checkpoint after step 2 was taken with the batches of steps 3 and 4 already drawn; they are
+    not saved, and the resumed run draws them again from the sampler's state after step 2's batch."""
+    def prompts(run):
+        import json
+
+        lines = [json.loads(line) for line in open(tmp_path / run / "completions.jsonl")]
+        return [[r["prompt"] for r in lines if r["step"] == s] for s in (3, 4)]
+
+    flags = ["--engine", "transformers", "--eval-every", "0", *SMALL, "--max-staleness", "2"]
+    run_main("grpo_async.py", *flags, "--steps", "4", "--save-every", "2", "--output-dir", tmp_path / "whole")
+    run_main("grpo_async.py", "--resume", tmp_path / "whole" / "checkpoints" / "step_2", "--output-dir",
+             tmp_path / "resumed")
+    assert prompts("resumed") == prompts("whole") and all(prompts("whole"))
