@@ -17,8 +17,14 @@ which is grpo.py's loss read with pi_old = pi_prox and the engine's log-probs th
 v: the code is the same, the correction is on by default (auto: token-truncate, min(rho_t, 2),
 where K > 0; --rollout-correction off trains on stale samples without it).
 
-One process (python grpo_async.py) runs both sides in turn, in the order they overlap under
-torchrun: the same batches, versions and losses, without the speed (for tests and laptops).
+Under torchrun the last --rollout-ranks R processes sample (vLLM, or --engine transformers) and the
+others train (FSDP2 among themselves); weights go to the rollout ranks by broadcast after each sync
+(common/rollouts.py, common/dist.py split). Separate processes, not threads in one: the engine and the
+trainer each keep a device and Python's interpreter to themselves, and the weights cross the same
+NCCL/gloo broadcast as any collective. torchrun ranks, not a separate server: one launch, one process
+group, and each side's ranks are any script's ranks (reductions, checkpoints, signals) with no second
+framework or HTTP API to run. One process (python grpo_async.py) runs both sides in turn, in the order
+they overlap under torchrun: the same batches, versions and losses, without the speed (tests, laptops).
 The notation GRPO's family shares, the same block in each of its scripts:
 
     A_i  = (R_i - mean_j R_j) / (std_j R_j + eps)         (--no-scale-rewards: no std)
@@ -110,10 +116,9 @@ class Args:
     sync_every: int = 1
     """send the trainer's weights to the engine after every N steps (and before each evaluation); at most K + 1,
     so that the engine reaches the version the next batch needs"""
-    rollout_ranks: int = 0
+    rollout_ranks: int = 1
     """under torchrun: the last R ranks run engines and sample while the others train (FSDP2 among themselves);
-    --engine transformers for now (vLLM's in-process engine makes process groups with every rank); 0: every
-    rank samples and trains in turn, as grpo.py's ranks do"""
+    0: every rank samples and trains in turn, as grpo.py's ranks do (one process: both in turn, whatever R)"""
 
     # optimization
     lr: float = 2e-4
@@ -257,10 +262,8 @@ def check(args: Args) -> None:
     need(1 <= args.sync_every <= args.max_staleness + 1,
          f"--sync-every must be in [1, --max-staleness + 1 = {args.max_staleness + 1}] (the engine would wait for "
          f"weights the trainer sends only after training on what the engine has not sampled), got {args.sync_every}")
-    need(not args.rollout_ranks or args.engine == "transformers",
-         "--rollout-ranks needs --engine transformers for now: vLLM's in-process engine creates its process groups "
-         "with every rank, and the trainer ranks have none")
-    need(args.sync_every == 1 or args.engine != "transformers" or args.rollout_ranks,
+    need(args.rollout_ranks >= 0, f"--rollout-ranks must be >= 0, got {args.rollout_ranks}")
+    need(args.sync_every == 1 or args.engine != "transformers" or dist.ROLLOUT_RANKS,
          "--sync-every > 1 with --engine transformers: that engine samples the trainer's own weights, synced always")
 
 
@@ -331,14 +334,14 @@ def engine_side(args: Args, device, tokenizer, task, max_prompt_len, precision):
 
 def main(args: Args) -> None:
     # ---------------------------------------------------------------- setup
-    device = dist.init(args.device)  # --device; under torchrun: the ranks' process group, before vLLM exists
-    samples = dist.split(args.rollout_ranks)  # under torchrun: the last R ranks sample, the others train
+    # --device; under torchrun: the process groups, before vLLM exists; the last R ranks sample, the others train
+    device = dist.init(args.device, args.rollout_ranks)
     task, reward_fn, tokenizer, max_prompt_len = prepare(args, check)  # every check, before anything heavy
     precision = Precision.of(args, device)  # bf16 autocast or fp32: --precision
     if args.rollout_correction == "auto" and args.max_staleness > 0:  # pi_prox / pi_behav leaves 1 in any numerics
         precision = dataclasses.replace(precision, rollout_correction=RolloutCorrection.of(
             "token-truncate", args.rollout_correction_cap))
-    if samples:
+    if dist.is_rollout_rank():
         return engine_side(args, device, tokenizer, task, max_prompt_len, precision)
     run = Run(args)  # the run folder (new, or the resumed run's), checked before anything heavy
     # one process: the engine here, sampling in turn with the updates; torchrun: the rollout ranks' (common/rollouts.py)

@@ -26,14 +26,13 @@ synchronizes on schedule; a finished run (summary.json) is reused.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-from benchmarks.util import ROOT, environment, fmt, fmt_mean_std, markdown_table, provenance_md, write_json  # noqa: E402
+from benchmarks.util import (ROOT, environment, fmt, fmt_mean_std, markdown_table, provenance_md,  # noqa: E402
+                             run_reused, write_json)
 
 MODES = ["off", "token-truncate", "token-mask", "sequence-truncate", "sequence-mask", "geometric-mask"]
 GAP_STEPS = 6
@@ -64,19 +63,8 @@ def worker(every: int, command: list[str]) -> None:
 
 def run(out: Path, every: int, flags: list[str]) -> list[dict]:
     """grpo.py with these flags into out (reused when finished); its metrics, one dict a step."""
-    if not (out / "summary.json").exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        print(f"{out.relative_to(out.parents[1])}: running", flush=True)
-        log = out.with_suffix(".log")
-        with open(log, "w") as f:
-            done = subprocess.run([sys.executable, __file__, "--worker", str(every), "--", "grpo.py", *flags,
-                                   "--output-dir", str(out), "--overwrite"], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
-        if done.returncode != 0:
-            raise SystemExit(f"error: the run in {out} failed (exit {done.returncode}); see {log}")
-    else:
-        print(f"{out.relative_to(out.parents[1])}: reused", flush=True)
-    with open(out / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
+    return run_reused(out, [sys.executable, __file__, "--worker", str(every), "--", "grpo.py", *flags],
+                      str(out.relative_to(out.parents[1])))
 
 
 def mean_std(xs: list[float]) -> tuple[float, float | None]:

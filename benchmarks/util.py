@@ -99,3 +99,21 @@ def fmt_mean_std(mean, std, digits: int = 2) -> str:
 def write_json(path, data) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(data, indent=1, default=str) + "\n")
+
+
+def run_reused(out: Path, command: list[str], label: str) -> list[dict]:
+    """command, a training run into out (its log beside it, out.log), unless out holds a finished run
+    (summary.json); the run's metrics, one dict a line of metrics.jsonl."""
+    if not (out / "summary.json").exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        print(f"{label}: running", flush=True)
+        log = out.with_suffix(".log")
+        with open(log, "w") as f:
+            done = subprocess.run([*command, "--output-dir", str(out), "--overwrite"], cwd=ROOT, stdout=f,
+                                  stderr=subprocess.STDOUT)
+        if done.returncode != 0:
+            raise SystemExit(f"error: the run in {out} failed (exit {done.returncode}); see {log}")
+    else:
+        print(f"{label}: reused", flush=True)
+    with open(out / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]

@@ -18,9 +18,12 @@ torch.distributed a world of size 1 of its own. On CUDA it is one group with two
 for CPU ones (the metrics, the signal flags, the pickled objects of `broadcast` and
 `all_gather_objects`); NCCL alone raises on a CPU tensor.
 
-grpo_async.py splits torchrun's ranks in two (`split`): the last R sample, the others train, and each
-side is a world of its own to everything here (GROUP): the trainer ranks shard, reduce and save among
-themselves as the ranks of any script do, the rollout ranks share each batch's prompts as theirs.
+grpo_async.py splits torchrun's processes in two (init with rollout_ranks R, `split`): the last R
+sample, the others train, and each side is a torch.distributed world of its own, so everything here
+(and vLLM's torchrun launcher on the rollout side) works within a side as within any script's ranks:
+the trainer ranks shard, reduce and save among themselves, the rollout ranks share each batch's prompts.
+Two more groups join the first trainer rank (0) and the rollout ranks (1..R), outside either world:
+LINK (gloo) for the pickled requests and batches, SYNC for the weights (NCCL on CUDA, else LINK).
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ import torch.distributed as tdist
 from common.errors import need
 from common.ops import masked_mean
 
-GROUP = None  # the ranks this one computes with: every rank (None), or its side of grpo_async.py's split
-SYNC = None  # grpo_async.py: the first trainer rank and the rollout ranks, which its weights are broadcast to
-ROLLOUT_RANKS: list[int] = []  # grpo_async.py: the rollout ranks' global ranks
+# grpo_async.py's split (`split`); LINK and SYNC on the first trainer rank and the rollout ranks only
+LINK = None  # gloo group of the first trainer rank (0) and the rollout ranks (1..R): requests, batches
+SYNC = None  # the same ranks, for the weights: NCCL on CUDA, LINK on CPU
+ROLLOUT_RANKS: list[int] = []  # the rollout ranks' ranks in LINK and SYNC, on every rank of a split
+PROCESSES = 1  # torchrun's processes, both sides counted
 
 
 def backend(device_type: str) -> str:
@@ -66,50 +71,75 @@ def pick_device(choice: str = "auto") -> str:
     return choice
 
 
-def init(device: str = "auto") -> str:
+def init(device: str = "auto", rollout_ranks: int = 0) -> str:
     """Join torchrun's process group (`backend`); returns the device (`pick_device`). Without torchrun
-    (WORLD_SIZE unset or 1) nothing happens."""
+    (WORLD_SIZE unset or 1) nothing happens. rollout_ranks > 0 (grpo_async.py): the world is this rank's
+    side of the split (`split`)."""
+    global PROCESSES
     device = pick_device(device)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not tdist.is_initialized():
+    PROCESSES = int(os.environ.get("WORLD_SIZE", "1"))
+    if PROCESSES > 1 and not tdist.is_initialized():
         need(device != "mps", "torchrun on an Apple GPU (mps) is not supported: run one process, or --device cpu")
         if device == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # the rank's GPU, also for its vLLM engine
-        tdist.init_process_group(backend(device), timeout=datetime.timedelta(minutes=30))
-        if tdist.get_rank() > 0:
+        if int(os.environ["RANK"]) > 0:
             sys.stdout = open(os.devnull, "w")  # rank 0 speaks for the job; errors (stderr) from every rank
+        timeout = datetime.timedelta(minutes=30)
+        if rollout_ranks:
+            split(rollout_ranks, device, timeout)
+        else:
+            tdist.init_process_group(backend(device), timeout=timeout)
     return device
 
 
-def split(rollout_ranks: int) -> bool:
-    """grpo_async.py under torchrun: the last `rollout_ranks` ranks sample and the others train, each side
-    GROUP to the functions here; returns whether this rank samples. One process or 0: nothing happens."""
-    global GROUP, SYNC, ROLLOUT_RANKS
-    if processes() == 1 or rollout_ranks == 0:
-        return False
-    W = processes()
+def split(rollout_ranks: int, device: str, timeout: datetime.timedelta) -> None:
+    """The last `rollout_ranks` of torchrun's processes form the rollout side's world, the others the
+    trainer side's; LINK and SYNC join the first trainer rank and the rollout ranks. All are made from
+    torchrun's store, each under a prefix of its own: vLLM's groups (made over the whole world when an
+    engine starts) then span the rollout ranks only, which subgroups of one world could not give (the
+    trainer ranks would have to join every one of vLLM's group creations)."""
+    global LINK, SYNC, ROLLOUT_RANKS
+    W, global_rank = PROCESSES, int(os.environ["RANK"])
     need(0 < rollout_ranks < W, f"--rollout-ranks must leave a trainer rank: 1 to {W - 1} of torchrun's {W} "
                                 f"processes, got {rollout_ranks}")
-    ROLLOUT_RANKS = list(range(W - rollout_ranks, W))
-    groups = [tdist.new_group(list(range(W - rollout_ranks))), tdist.new_group(ROLLOUT_RANKS),
-              tdist.new_group([0, *ROLLOUT_RANKS])]  # every rank creates every group, in the same order
-    sampler = tdist.get_rank() in ROLLOUT_RANKS
-    GROUP, SYNC = groups[1] if sampler else groups[0], groups[2]
-    return sampler
+    store, _, _ = next(tdist.rendezvous("env://", timeout=timeout))
+    trainers = W - rollout_ranks
+    samples = global_rank >= trainers
+    side_rank, side_size = (global_rank - trainers, rollout_ranks) if samples else (global_rank, trainers)
+    hook = sys.excepthook
+    tdist.init_process_group(backend(device), store=tdist.PrefixStore("rollout" if samples else "train", store),
+                             rank=side_rank, world_size=side_size, timeout=timeout)
+    # torch's hook would head a traceback "[rank0]" on both sides: say which process it is
+    side = f"{'rollout' if samples else 'trainer'} rank {side_rank} (torchrun rank {global_rank})"
+    sys.excepthook = lambda *error: (print(f"{side}:", file=sys.stderr), hook(*error))
+    if samples:  # vLLM's torchrun launcher (external_launcher) reads its rank and world from the environment
+        os.environ.update(RANK=str(side_rank), WORLD_SIZE=str(side_size))
+    if global_rank == 0 or samples:
+        link_rank = side_rank + 1 if samples else 0
+        LINK = tdist.ProcessGroupGloo(tdist.PrefixStore("link", store), link_rank, rollout_ranks + 1, timeout)
+        SYNC = LINK if device != "cuda" else tdist.ProcessGroupNCCL(tdist.PrefixStore("sync", store), link_rank,
+                                                                     rollout_ranks + 1)
+    ROLLOUT_RANKS = list(range(1, rollout_ranks + 1))
+
+
+def is_rollout_rank() -> bool:
+    """grpo_async.py under torchrun: this process samples (it is on the rollout side of the split)."""
+    return LINK is not None and LINK.rank() > 0
 
 
 def processes() -> int:
     """torchrun's processes, both sides of a split counted."""
-    return tdist.get_world_size() if tdist.is_initialized() else 1
+    return PROCESSES
 
 
 def world_size() -> int:
     # a one-process run's vLLM engine initializes torch.distributed as a world of size 1
-    return tdist.get_world_size(GROUP) if tdist.is_initialized() else 1
+    return tdist.get_world_size() if tdist.is_initialized() else 1
 
 
 def rank() -> int:
     # before init (parsing the arguments) torchrun's RANK says it
-    return tdist.get_rank(GROUP) if tdist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return tdist.get_rank() if tdist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
 def is_main() -> bool:
@@ -136,7 +166,7 @@ def all_sum(x) -> torch.Tensor:
     that normalize a loss or a baseline are the global ones."""
     x = torch.as_tensor(x).detach().to(torch.float64).clone()
     if world_size() > 1:
-        tdist.all_reduce(x, group=GROUP)
+        tdist.all_reduce(x)
     return x
 
 
@@ -144,7 +174,7 @@ def all_max(x: torch.Tensor) -> torch.Tensor:
     """x's elementwise max over ranks, as a new tensor."""
     x = x.detach().clone()
     if world_size() > 1:
-        tdist.all_reduce(x, op=tdist.ReduceOp.MAX, group=GROUP)
+        tdist.all_reduce(x, op=tdist.ReduceOp.MAX)
     return x
 
 
@@ -161,7 +191,7 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
     if world_size() == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(world_size())]
-    tdist.all_gather(parts, x.contiguous(), group=GROUP)
+    tdist.all_gather(parts, x.contiguous())
     return torch.cat(parts)
 
 
@@ -204,7 +234,7 @@ def all_gather_objects(items: list) -> list:
     if world_size() == 1:
         return items
     lists = [None] * world_size()
-    tdist.all_gather_object(lists, items, group=GROUP)
+    tdist.all_gather_object(lists, items)
     return [item for part in lists for item in part]
 
 
@@ -236,7 +266,7 @@ def broadcast(obj):
     if world_size() == 1:
         return obj
     box = [obj]
-    tdist.broadcast_object_list(box, group=GROUP, group_src=0)
+    tdist.broadcast_object_list(box, src=0)
     return box[0]
 
 
@@ -257,7 +287,7 @@ def on_main(fn, *args):
 
 def barrier() -> None:
     if world_size() > 1:
-        tdist.barrier(group=GROUP)
+        tdist.barrier()
 
 
 def shard(model: torch.nn.Module, precision, called_alone: tuple = ()) -> torch.nn.Module:
@@ -280,21 +310,19 @@ def shard(model: torch.nn.Module, precision, called_alone: tuple = ()) -> torch.
     nothing."""
     if world_size() == 1 or not any(True for _ in model.parameters()):  # e.g. LoRA's reference: adapters off
         return model
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     for p in model.parameters():  # rank 0's weights everywhere (see above)
-        tdist.broadcast(p.detach(), group=GROUP, group_src=0)
+        tdist.broadcast(p.detach(), src=0)
     bf16 = precision.autocast_dtype
     policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
-    mesh = None if GROUP is None else DeviceMesh.from_group(GROUP, next(model.parameters()).device.type)
     for module in model.modules():
         if type(module).__name__ in layer_classes:
-            fully_shard(module, mesh=mesh, mp_policy=policy)
+            fully_shard(module, mp_policy=policy)
     for module in called_alone:
-        fully_shard(module, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(module, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # a sum over ranks, not a mean

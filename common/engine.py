@@ -157,7 +157,7 @@ def create_engine(name_or_path: str, seed: int, max_model_len: int, dtype: str =
     from vllm import LLM
 
     kwargs = {} if on_cpu else {"gpu_memory_utilization": gpu_memory_utilization}
-    if dist.world_size() > 1:
+    if dist.processes() > 1:
         # under torchrun: an engine per rank, on the rank's own device (LOCAL_RANK), vLLM's groups made
         # within the ranks' process group (the default in-process executor would put every engine on cuda:0)
         kwargs["distributed_executor_backend"] = "external_launcher"

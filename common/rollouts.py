@@ -14,12 +14,13 @@ batch of step s + K while the trainers train step s: a rollout rank hands over a
 then samples ahead, then waits for the next request or weights. Weights are broadcast from the first
 trainer rank to the rollout ranks (dist.SYNC: NCCL on GPU, gloo on CPU) tensor by tensor, into a
 copy of the policy the engine is synced from; requests, batches and evaluation calls are pickled
-objects between the first trainer rank and each rollout rank.
+objects between the first trainer rank and each rollout rank (dist.LINK).
 """
 
 from __future__ import annotations
 
 import atexit
+import pickle
 import signal
 import time
 
@@ -72,13 +73,24 @@ class Ahead:
 
 
 def send(obj, dst: int) -> None:
-    tdist.send_object_list([obj], dst=dst)
+    """obj, pickled, to rank dst of dist.LINK (its length first)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    for t in (torch.tensor([data.numel()]), data):
+        dist.LINK.send([t], dst, 0).wait()  # LINK is no group of torch.distributed's world: its own methods
 
 
 def recv(src: int):
-    box = [None]
-    tdist.recv_object_list(box, src=src)
-    return box[0]
+    """The object rank src of dist.LINK sends."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.LINK.recv([size], src, 0).wait()
+    data = torch.empty(int(size), dtype=torch.uint8)
+    dist.LINK.recv([data], src, 0).wait()
+    return pickle.loads(data.numpy().tobytes())
+
+
+def broadcast_weight(t: torch.Tensor) -> None:
+    """t from the first trainer rank (SYNC's root 0) into the rollout ranks' t, over dist.SYNC."""
+    dist.SYNC.broadcast([t], tdist.BroadcastOptions()).wait()
 
 
 class Remote:
@@ -122,10 +134,10 @@ class Remote:
                 send(("sync", version, sampler_state), r)
         for _, t in merged_weights(policy):  # every trainer rank: under FSDP each tensor is gathered whole in turn
             if dist.is_main():
-                tdist.broadcast(t.contiguous(), group=dist.SYNC, group_src=0)
+                broadcast_weight(t.contiguous())
 
     def generate(self, requests: list, params, use_tqdm: bool = False) -> list:
-        return self.ask(("generate", requests, params), dist.ROLLOUT_RANKS[:1])[0]
+        return self.ask(("generate", requests, params, use_tqdm), dist.ROLLOUT_RANKS[:1])[0]
 
     def close(self) -> None:
         if dist.is_main() and not self.closed:
@@ -154,11 +166,12 @@ def serve(ahead: Ahead, model) -> None:
             elif command == "sync":
                 with torch.no_grad():
                     for _, p in merged_weights(model):  # the trainer's order (both: the base model's names)
-                        tdist.broadcast(p, group=dist.SYNC, group_src=0)
+                        broadcast_weight(p)
                 ahead.sync(model, *payload)
                 reply = None
             else:  # generate: an evaluation's greedy completions
-                reply = ahead.llm.generate(*payload)
+                requests, params, use_tqdm = payload
+                reply = ahead.llm.generate(requests, params, use_tqdm=use_tqdm)
         except Exception as e:  # noqa: BLE001 - the trainer raises it
             error, reply = e, e
         if command != "sync" or error is not None:  # a sync has no reply: the trainer goes on training

@@ -351,8 +351,7 @@ class Run:
         rng = rng_states()  # each rank's generators, resumed by that rank
         with atomic_folder(path) if dist.is_main() else contextlib.nullcontext(path + ".tmp") as tmp:
             dist.barrier()  # rank 0 made the folder
-            # every rank writes its shard
-            dcp_save(optimizer_state, checkpoint_id=os.path.join(tmp, "optimizer"), process_group=dist.GROUP)
+            dcp_save(optimizer_state, checkpoint_id=os.path.join(tmp, "optimizer"))  # every rank writes its shard
             if dist.is_main():
                 for name, model in models.items():
                     model.save_pretrained(os.path.join(tmp, name), state_dict=weights[name])
@@ -370,7 +369,7 @@ class Run:
         state = torch.load(os.path.join(self.args.resume, "trainer_state.pt"), weights_only=False)
         set_rng_states(state["rng"])
         optimizer_state = {"optimizer": dist.optimizer_state_dict(models, optimizer)}
-        dcp_load(optimizer_state, checkpoint_id=os.path.join(self.args.resume, "optimizer"), process_group=dist.GROUP)
+        dcp_load(optimizer_state, checkpoint_id=os.path.join(self.args.resume, "optimizer"))
         dist.load_optimizer_state_dict(models, optimizer, optimizer_state["optimizer"])
         return state
 

@@ -34,10 +34,11 @@ def small(script: str) -> list[str]:
     return SMALL if hasattr(load_script(script).Args, "num_minibatches") else SMALL[2:]
 
 
-def torchrun(*args, **env) -> subprocess.Popen:
-    need_processes(2)
+def torchrun(*args, processes: int = 2, **env) -> subprocess.Popen:
+    need_processes(processes)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath(), **env}
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *map(str, args)],
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
+                             *map(str, args)],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

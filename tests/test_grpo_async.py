@@ -2,6 +2,8 @@
 the order of sampling and syncing says), and the stale batches' tokens are weighted by the
 decoupled correction min(pi_prox / pi_behav, 2)."""
 
+import signal
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -93,29 +95,54 @@ def test_bad_async_flags_are_one_line(flags, message, run_main, tmp_path):
         run_main("grpo_async.py", *flags, "--output-dir", tmp_path / "run")
 
 
-@pytest.mark.slow
-def test_one_rollout_rank_and_one_trainer_rank_at_k0_are_grpo_in_one_process(tmp_path, run_main):
-    """torchrun: rank 1 samples (its own engine and copy of the policy, synced by broadcast), rank 0 trains.
-    At K = 0 they take turns exactly as grpo.py's one process: the same batches, losses and final weights (to
-    the rounding of one thread against two); at K = 1 each batch after the first is one version old."""
+def launch(tmp_path, name: str, *flags, processes: int = 2) -> list[dict]:
+    """grpo_async.py under torchrun; its metrics."""
     from tests.test_dist import torchrun
 
-    run_main("grpo.py", *RUN, "--output-dir", tmp_path / "grpo")
-    for K in (0, 1):
-        job = torchrun("grpo_async.py", *RUN, "--rollout-ranks", 1, "--max-staleness", K, "--output-dir",
-                       tmp_path / f"async{K}")
-        output = job.communicate(timeout=600)[0]
-        assert job.returncode == 0, output[-3000:]
-    grpo, async0, async1 = (read_metrics(tmp_path / run) for run in ("grpo", "async0", "async1"))
+    job = torchrun("grpo_async.py", *flags, "--output-dir", tmp_path / name, processes=processes)
+    output = job.communicate(timeout=900)[0]
+    assert job.returncode == 0, output[-3000:]
+    return read_metrics(tmp_path / name)
+
+
+@pytest.mark.slow
+def test_rollout_ranks_and_trainer_ranks_at_k0_are_grpo_in_one_process(tmp_path, run_main):
+    """torchrun: the last rank samples (its own engine and copy of the policy, synced by broadcast), the others
+    train, one or two of them (FSDP2 over the trainer side's world). At K = 0 the two sides take turns exactly
+    as grpo.py's one process: the same batches, losses and final weights (to the rounding of one thread against
+    two, and of two ranks' sums); at K = 1 each batch after the first is one version old."""
+    # one minibatch: N trainer ranks draw minibatches of their own rows, one process of all of them
+    run = [*RUN, "--num-minibatches", 1]
+    run_main("grpo.py", *run, "--output-dir", tmp_path / "grpo")
+    grpo = read_metrics(tmp_path / "grpo")
+    async1 = launch(tmp_path, "async1", *run, "--rollout-ranks", 1, "--max-staleness", 1)
     assert [m["async/staleness_mean"] for m in async1[1:]] == [0, 1, 1, 1]
-    for a, b in zip(grpo[1:], async0[1:]):
-        assert b["async/staleness_mean"] == 0
-        for k in ("reward/mean", "reward/std", "response/length_mean", "loss/total", "optim/grad_norm", "kl/ref"):
-            assert b[k] == pytest.approx(a[k], rel=1e-4), (a["step"], k)
-    assert grpo[-1]["eval/accuracy"] == async0[-1]["eval/accuracy"]
-    weights = [AutoModelForCausalLM.from_pretrained(tmp_path / run / "final").state_dict()
-               for run in ("grpo", "async0")]
-    assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-5) for k in weights[0])
+    for trainers in (1, 2):
+        name = f"async0_{trainers}"
+        async0 = launch(tmp_path, name, *run, "--rollout-ranks", 1, "--max-staleness", 0, processes=trainers + 1)
+        for a, b in zip(grpo[1:], async0[1:]):
+            assert b["async/staleness_mean"] == 0
+            # metrics are each rank's averaged over ranks: a std or a token mean of two halves is not the whole's
+            for k in ("reward/mean", "response/length_mean", "loss/total", "optim/grad_norm",
+                      *(("reward/std", "kl/ref") if trainers == 1 else ())):
+                assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), (trainers, a["step"], k)
+        assert grpo[-1]["eval/accuracy"] == async0[-1]["eval/accuracy"]
+        weights = [AutoModelForCausalLM.from_pretrained(tmp_path / run / "final").state_dict()
+                   for run in ("grpo", name)]
+        assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-5) for k in weights[0]), trainers
+
+
+@pytest.mark.slow
+def test_two_vllm_rollout_ranks_sample_the_weights_the_trainer_sent(tmp_path):
+    """One trainer rank, two rollout ranks with a vLLM engine each (each side a world of its own: vLLM's
+    groups span the rollout ranks only). At K = 0 every batch is sampled by the weights of the step before,
+    broadcast to both engines: their log-probs equal the trainer's to fp32 rounding at every step, which
+    weights left unsynced (or half synced) after step 1 would not give."""
+    metrics = launch(tmp_path, "vllm", "--engine", "vllm", "--steps", 4, "--eval-every", 0, "--save-every", 0,
+                     *SMALL, "--rollout-ranks", 2, "--max-staleness", 0, processes=3)[1:]
+    assert len(metrics) == 4 and all(m["async/staleness_mean"] == 0 for m in metrics)
+    assert all(m["rollout/logprob_mismatch"] < 1e-4 for m in metrics), [m["rollout/logprob_mismatch"] for m in metrics]
+    assert len({m["reward/mean"] for m in metrics}) > 1  # the batches differ: the weights moved
 
 
 def test_a_resumed_run_draws_the_prompts_the_uninterrupted_run_drew(tmp_path, run_main):
@@ -132,3 +159,26 @@ def test_a_resumed_run_draws_the_prompts_the_uninterrupted_run_drew(tmp_path, ru
     run_main("grpo_async.py", "--resume", tmp_path / "whole" / "checkpoints" / "step_2", "--output-dir",
              tmp_path / "resumed")
     assert prompts("resumed") == prompts("whole") and all(prompts("whole"))
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_torchrun_saves_on_the_trainer_stops_the_rollout_rank_and_the_run_resumes(tmp_path):
+    """SIGTERM to torchrun (forwarded to both ranks): the trainer rank finishes its step and saves, the rollout
+    rank leaves the signal to it and stops when told, saying nothing; the checkpoint resumes under torchrun."""
+    from tests.conftest import ROOT
+    from tests.test_launchers import finish, torchrun, wait_for_step
+
+    out, log = tmp_path / "run", tmp_path / "torchrun.log"
+    flags = ["--engine", "transformers", "--eval-every", 0, *SMALL]
+    proc = torchrun(["--nproc-per-node", 2], ["grpo_async.py", *flags, "--steps", 1000, "--save-every", 0,
+                                               "--output-dir", out], ROOT, log)
+    wait_for_step(proc, out, log, 2)
+    proc.send_signal(signal.SIGTERM)
+    output = finish(proc, log, 300)
+    last = read_metrics(out)[-1]["step"]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step_{last}"], output[-3000:]
+    assert output.count("SIGTERM: finishing this step") == 1, output[-3000:]  # the trainer's; the rollout rank ignores it
+    # the rollout rank stopped when told: torchrun did not have to kill it (30 s after the SIGTERM it forwarded)
+    assert "forcefully exiting" not in output and "[rank1]" not in output, output[-3000:]
+    resumed = launch(tmp_path, "resumed", "--resume", out / "checkpoints" / f"step_{last}", "--steps", last + 2)
+    assert [m["step"] for m in resumed if "loss/total" in m] == [last + 1, last + 2]

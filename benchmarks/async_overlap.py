@@ -1,0 +1,154 @@
+"""grpo_async.py measured: what overlapping rollouts with training buys here (throughput), and what
+training on samples up to K versions old costs and the decoupled correction buys (learning).
+
+    .venv/bin/python benchmarks/async_overlap.py --part throughput --json benchmarks/results/async_throughput.json
+    .venv/bin/python benchmarks/async_overlap.py --part throughput --job smollm2 \
+        --json benchmarks/results/async_throughput_smollm2.json
+    .venv/bin/python benchmarks/async_overlap.py --part learning --json benchmarks/results/async_learning.json
+
+Throughput, the same work on the same machine: samples trained per second (prompts x completions a
+step over the mean step time, the first step left out: start-up) for
+    (a) grpo.py in one process (torch on every core),
+    (b) grpo.py under `torchrun --nproc-per-node 2` (each rank samples and trains its half),
+    (c) grpo_async.py under torchrun, 1 rollout + 1 trainer rank, K = 0 (the two sides alternate),
+    (d) the same with K = 1 and K = 2 (the rollout rank samples the next batches while the trainer trains).
+With each side's busy share of the step: the trainer's is 1 - its wait for a batch (time/rollout), the
+engine's its sampling seconds over the step. The limit of overlap is (c)'s (engine + trainer) /
+max(engine, trainer), from (c)'s own section times: what separate devices, each as fast as here, give.
+
+Learning: held-out accuracy after --steps steps (and the curve against samples and seconds) for
+K = 0, 1, 2, 4, with the correction (auto: token-truncate min(pi_prox / pi_behav, 2)) and without it
+(--rollout-correction off: plain GRPO on stale samples), seeds 0-2, on `sort` and `sort:9-11`; each run
+under torchrun with 1 rollout + 1 trainer rank. K = 0 has no correction to switch off (auto is off in fp32).
+
+Each run is a subprocess with a fresh run folder under --out; a finished run (summary.json) is reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
+from benchmarks.util import (ROOT, environment, fmt, fmt_mean_std, markdown_table, provenance_md,  # noqa: E402
+                             run_reused, write_json)
+
+JOBS = {  # the work of one step, the same for every layout
+    "tiny": ["--prompts-per-step", "32", "--completions-per-prompt", "8"],
+    "smollm2": ["--model", "smollm2", "--task", "basic_arithmetic", "--prompts-per-step", "8",
+                "--completions-per-prompt", "4", "--max-new-tokens", "64", "--lora-rank", "16", "--lr", "2e-4"],
+}
+LAYOUTS = [  # (label, launcher processes, script, flags)
+    ("(a) grpo.py, one process", 1, "grpo.py", []),
+    ("(b) grpo.py, torchrun 2 ranks", 2, "grpo.py", []),
+    ("(c) grpo_async.py 1 + 1, K = 0", 2, "grpo_async.py", ["--max-staleness", "0"]),
+    ("(d) grpo_async.py 1 + 1, K = 1", 2, "grpo_async.py", ["--max-staleness", "1"]),
+    ("(d) grpo_async.py 1 + 1, K = 2", 2, "grpo_async.py", ["--max-staleness", "2", "--sync-every", "1"]),
+]
+TASKS = {"sort": [], "sort:9-11": ["--max-new-tokens", "16"]}  # the flags of benchmarks/run.py's hard mode
+SAMPLES_PER_STEP = 32 * 8  # learning's: grpo_async.py's default prompts x completions
+
+
+def run(out: Path, processes: int, script: str, flags: list[str]) -> list[dict]:
+    """SCRIPT FLAGS in one process or under torchrun, into out (reused when finished); its metrics."""
+    launcher = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                          "--nproc-per-node", str(processes)]
+    return run_reused(out, [*launcher, script, *flags], out.name)
+
+
+def mean(steps: list[dict], key: str) -> float | None:
+    values = [m[key] for m in steps if key in m]
+    return statistics.mean(values) if values else None
+
+
+def throughput(args) -> tuple[dict, str]:
+    job = JOBS[args.job]
+    samples_per_step = int(job[job.index("--prompts-per-step") + 1]) * int(job[job.index("--completions-per-prompt") + 1])
+    results, rows = {}, []
+    for label, processes, script, flags in LAYOUTS:
+        name = f"{args.job}-{script[:-3]}-{processes}-{'_'.join(flags[1::2]) or 'sync'}"
+        steps = [m for m in run(args.out / name, processes, script, [
+            *job, "--steps", str(args.steps), "--eval-every", "0", "--save-every", "0", *flags]) if "time/step" in m][1:]
+        step_s = mean(steps, "time/step")
+        r = {"samples_per_s": samples_per_step / step_s, "step_s": step_s,
+             "trainer_busy": None if script == "grpo.py" else 1 - mean(steps, "async/trainer_idle_frac"),
+             "engine_busy": mean(steps, "async/engine_busy_frac"),
+             "rollout_s": mean(steps, "time/rollout"), "train_s": mean(steps, "time/train")}
+        results[label] = r
+        rows.append([label, fmt(r["samples_per_s"], 1), fmt(step_s, 2), fmt(r["trainer_busy"], 2),
+                     fmt(r["engine_busy"], 2)])
+    c = results[LAYOUTS[2][0]]
+    engine, trainer = c["engine_busy"] * c["step_s"], c["trainer_busy"] * c["step_s"]
+    limit = (engine + trainer) / max(engine, trainer)
+    results["limit_over_c"] = limit
+    for label, r in results.items():
+        if isinstance(r, dict):
+            r["speedup_over_c"] = r["samples_per_s"] / c["samples_per_s"]
+    for row, r in zip(rows, (results[label] for label, *_ in LAYOUTS)):
+        row.append(f"{r['speedup_over_c']:.2f}x")
+    table = markdown_table(["layout", "samples / s", "step (s)", "trainer busy", "engine busy", "over (c)"], rows)
+    table += (f"\n\nThe limit of overlap from (c)'s sections: engine {engine:.2f} s + trainer {trainer:.2f} s a step, "
+              f"(engine + trainer) / max = {limit:.2f}x over (c).\n")
+    return results, table
+
+
+def learning(args) -> tuple[dict, str]:
+    configs = [(0, "auto")] + [(K, c) for K in (1, 2, 4) for c in ("auto", "off")]
+    results, rows = {}, []
+    for task in args.tasks:
+        for K, correction in configs:
+            per_seed = []
+            for seed in args.seeds:
+                name = f"learn-{task.replace(':', '_')}-K{K}-{correction}-seed{seed}"
+                metrics = run(args.out / name, 2, "grpo_async.py", [
+                    "--task", task, *TASKS[task], "--steps", str(args.learn_steps), "--eval-every", "5",
+                    "--save-every", "0", "--max-staleness", str(K), "--rollout-correction", correction,
+                    "--seed", str(seed)])
+                evals = [m for m in metrics if "eval/accuracy" in m]
+                steps = [m for m in metrics if "time/step" in m]
+                elapsed, curve = 0.0, []
+                for m in metrics:  # (step, samples, seconds, accuracy) at each evaluation
+                    elapsed += m.get("time/step", 0.0)
+                    if "eval/accuracy" in m:
+                        curve.append([m["step"], m["step"] * SAMPLES_PER_STEP, round(elapsed, 2), m["eval/accuracy"]])
+                per_seed.append({"eval_accuracy": evals[-1]["eval/accuracy"], "curve": curve,
+                                 "seconds": sum(m["time/step"] for m in steps),
+                                 "staleness": mean(steps, "async/staleness_mean"),
+                                 "logprob_gap": mean(steps, "async/logprob_gap"),
+                                 "truncated_frac": mean(steps, "rollout/is_truncated_frac")})
+            results[f"{task} K={K} {correction}"] = per_seed
+            accuracy = [s["eval_accuracy"] for s in per_seed]
+            rows.append([f"`{task}`", K, "token-truncate" if K and correction == "auto" else "off",
+                         fmt_mean_std(statistics.mean(accuracy), statistics.stdev(accuracy) if len(accuracy) > 1
+                                      else None, 3),
+                         fmt(statistics.mean(s["seconds"] for s in per_seed), 1),
+                         fmt(statistics.mean(s["staleness"] for s in per_seed), 2),
+                         fmt(statistics.mean(s["logprob_gap"] for s in per_seed), 3),
+                         fmt(statistics.mean(s["truncated_frac"] or 0 for s in per_seed), 3)])
+    table = markdown_table(["task", "K", "correction", "held-out accuracy", "train seconds", "staleness",
+                            "log-prob gap", "tokens truncated"], rows)
+    return results, table
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=["throughput", "learning"], required=True)
+    p.add_argument("--job", choices=sorted(JOBS), default="tiny", help="throughput's work a step")
+    p.add_argument("--steps", type=int, default=8, help="throughput's steps a run (the first is left out)")
+    p.add_argument("--learn-steps", type=int, default=30, help="learning's steps a run")
+    p.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=sorted(TASKS))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "async_overlap", help="the runs' folder")
+    p.add_argument("--json", type=Path, help="write the results here")
+    args = p.parse_args(argv)
+    env = environment()
+    results, table = throughput(args) if args.part == "throughput" else learning(args)
+    print("\n" + provenance_md(env) + "\n" + table, flush=True)
+    if args.json:
+        write_json(args.json, {"environment": env, "results": results, "table": table})
+
+
+if __name__ == "__main__":
+    main()
