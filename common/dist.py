@@ -42,7 +42,7 @@ from common.ops import masked_mean
 LINK = None  # gloo group of the first trainer rank (0) and the rollout ranks (1..R): requests, batches
 SYNC = None  # the same ranks, for the weights: NCCL on CUDA, LINK on CPU
 ROLLOUT_RANKS: list[int] = []  # the rollout ranks' ranks in LINK and SYNC, on every rank of a split
-PROCESSES = 1  # torchrun's processes, both sides counted
+PROCESSES = 1  # torchrun's processes, both sides of the split counted
 
 
 def backend(device_type: str) -> str:
@@ -75,14 +75,12 @@ def init(device: str = "auto", rollout_ranks: int = 0) -> str:
     """Join torchrun's process group (`backend`); returns the device (`pick_device`). Without torchrun
     (WORLD_SIZE unset or 1) nothing happens. rollout_ranks > 0 (grpo_async.py): the world is this rank's
     side of the split (`split`)."""
-    global PROCESSES
     device = pick_device(device)
-    PROCESSES = int(os.environ.get("WORLD_SIZE", "1"))
-    if PROCESSES > 1 and not tdist.is_initialized():
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not tdist.is_initialized():
         need(device != "mps", "torchrun on an Apple GPU (mps) is not supported: run one process, or --device cpu")
         if device == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # the rank's GPU, also for its vLLM engine
-        if int(os.environ["RANK"]) > 0:
+        if int(os.environ.get("RANK", "0")) > 0:
             sys.stdout = open(os.devnull, "w")  # rank 0 speaks for the job; errors (stderr) from every rank
         timeout = datetime.timedelta(minutes=30)
         if rollout_ranks:
@@ -98,8 +96,8 @@ def split(rollout_ranks: int, device: str, timeout: datetime.timedelta) -> None:
     torchrun's store, each under a prefix of its own: vLLM's groups (made over the whole world when an
     engine starts) then span the rollout ranks only, which subgroups of one world could not give (the
     trainer ranks would have to join every one of vLLM's group creations)."""
-    global LINK, SYNC, ROLLOUT_RANKS
-    W, global_rank = PROCESSES, int(os.environ["RANK"])
+    global LINK, SYNC, ROLLOUT_RANKS, PROCESSES
+    W, global_rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     need(0 < rollout_ranks < W, f"--rollout-ranks must leave a trainer rank: 1 to {W - 1} of torchrun's {W} "
                                 f"processes, got {rollout_ranks}")
     store, _, _ = next(tdist.rendezvous("env://", timeout=timeout))
@@ -119,7 +117,7 @@ def split(rollout_ranks: int, device: str, timeout: datetime.timedelta) -> None:
         LINK = tdist.ProcessGroupGloo(tdist.PrefixStore("link", store), link_rank, rollout_ranks + 1, timeout)
         SYNC = LINK if device != "cuda" else tdist.ProcessGroupNCCL(tdist.PrefixStore("sync", store), link_rank,
                                                                      rollout_ranks + 1)
-    ROLLOUT_RANKS = list(range(1, rollout_ranks + 1))
+    ROLLOUT_RANKS, PROCESSES = list(range(1, rollout_ranks + 1)), W
 
 
 def is_rollout_rank() -> bool:
@@ -129,7 +127,7 @@ def is_rollout_rank() -> bool:
 
 def processes() -> int:
     """torchrun's processes, both sides of a split counted."""
-    return PROCESSES
+    return PROCESSES if ROLLOUT_RANKS else world_size()
 
 
 def world_size() -> int:
