@@ -16,10 +16,11 @@ With each side's busy share of the step: the trainer's is 1 - its wait for a bat
 engine's its sampling seconds over the step. The limit of overlap is (c)'s (engine + trainer) /
 max(engine, trainer), from (c)'s own section times: what separate devices, each as fast as here, give.
 
-Learning: held-out accuracy after --steps steps (and the curve against samples and seconds) for
+Learning: held-out accuracy at the end (and the curve against samples and seconds) for
 K = 0, 1, 2, 4, with the correction (auto: token-truncate min(pi_prox / pi_behav, 2)) and without it
-(--rollout-correction off: plain GRPO on stale samples), seeds 0-2, on `sort` and `sort:9-11`; each run
-under torchrun with 1 rollout + 1 trainer rank. K = 0 has no correction to switch off (auto is off in fp32).
+(--rollout-correction off: plain GRPO on stale samples), seeds 0-2, on `sort` (30 steps, evaluated every 2)
+and `sort:9-11` (100 steps, every 5: benchmarks/run.py's budgets); each run under torchrun with 1 rollout +
+1 trainer rank. K = 0 has no correction to switch off (auto is off in fp32).
 
 Each run is a subprocess with a fresh run folder under --out; a finished run (summary.json) is reused.
 """
@@ -47,7 +48,10 @@ LAYOUTS = [  # (label, launcher processes, script, flags)
     ("(d) grpo_async.py 1 + 1, K = 1", 2, "grpo_async.py", ["--max-staleness", "1"]),
     ("(d) grpo_async.py 1 + 1, K = 2", 2, "grpo_async.py", ["--max-staleness", "2", "--sync-every", "1"]),
 ]
-TASKS = {"sort": [], "sort:9-11": ["--max-new-tokens", "16"]}  # the flags of benchmarks/run.py's hard mode
+TASKS = {  # learning's budget a task, (steps, evaluate every, target accuracy, flags): benchmarks/run.py's
+    "sort": (30, 2, 0.8, []),  # full and hard modes
+    "sort:9-11": (100, 5, 0.5, ["--max-new-tokens", "16"]),
+}
 SAMPLES_PER_STEP = 32 * 8  # learning's: grpo_async.py's default prompts x completions
 
 
@@ -65,12 +69,14 @@ def mean(steps: list[dict], key: str) -> float | None:
 
 def throughput(args) -> tuple[dict, str]:
     job = JOBS[args.job]
-    samples_per_step = int(job[job.index("--prompts-per-step") + 1]) * int(job[job.index("--completions-per-prompt") + 1])
+    prompts, completions = (int(job[job.index(f) + 1]) for f in ("--prompts-per-step", "--completions-per-prompt"))
+    samples_per_step = prompts * completions
     results, rows = {}, []
     for label, processes, script, flags in LAYOUTS:
         name = f"{args.job}-{script[:-3]}-{processes}-{'_'.join(flags[1::2]) or 'sync'}"
-        steps = [m for m in run(args.out / name, processes, script, [
-            *job, "--steps", str(args.steps), "--eval-every", "0", "--save-every", "0", *flags]) if "time/step" in m][1:]
+        metrics = run(args.out / name, processes, script,
+                      [*job, "--steps", str(args.steps), "--eval-every", "0", "--save-every", "0", *flags])
+        steps = [m for m in metrics if "time/step" in m][1:]  # the first left out: start-up
         step_s = mean(steps, "time/step")
         r = {"samples_per_s": samples_per_step / step_s, "step_s": step_s,
              "trainer_busy": None if script == "grpo.py" else 1 - mean(steps, "async/trainer_idle_frac"),
@@ -95,15 +101,16 @@ def throughput(args) -> tuple[dict, str]:
 
 
 def learning(args) -> tuple[dict, str]:
-    configs = [(0, "auto")] + [(K, c) for K in (1, 2, 4) for c in ("auto", "off")]
+    configs = [(K, c) for K in args.staleness for c in (("auto",) if K == 0 else ("auto", "off"))]
     results, rows = {}, []
     for task in args.tasks:
+        steps_per_run, eval_every, target, task_flags = TASKS[task]
         for K, correction in configs:
             per_seed = []
             for seed in args.seeds:
                 name = f"learn-{task.replace(':', '_')}-K{K}-{correction}-seed{seed}"
                 metrics = run(args.out / name, 2, "grpo_async.py", [
-                    "--task", task, *TASKS[task], "--steps", str(args.learn_steps), "--eval-every", "5",
+                    "--task", task, *task_flags, "--steps", str(steps_per_run), "--eval-every", str(eval_every),
                     "--save-every", "0", "--max-staleness", str(K), "--rollout-correction", correction,
                     "--seed", str(seed)])
                 evals = [m for m in metrics if "eval/accuracy" in m]
@@ -113,31 +120,38 @@ def learning(args) -> tuple[dict, str]:
                     elapsed += m.get("time/step", 0.0)
                     if "eval/accuracy" in m:
                         curve.append([m["step"], m["step"] * SAMPLES_PER_STEP, round(elapsed, 2), m["eval/accuracy"]])
+                reached = [step for step, _, _, accuracy in curve if accuracy >= target]
                 per_seed.append({"eval_accuracy": evals[-1]["eval/accuracy"], "curve": curve,
+                                 "steps_to_target": reached[0] if reached else None,
                                  "seconds": sum(m["time/step"] for m in steps),
                                  "staleness": mean(steps, "async/staleness_mean"),
                                  "logprob_gap": mean(steps, "async/logprob_gap"),
                                  "truncated_frac": mean(steps, "rollout/is_truncated_frac")})
             results[f"{task} K={K} {correction}"] = per_seed
             accuracy = [s["eval_accuracy"] for s in per_seed]
+            reached = [s["steps_to_target"] for s in per_seed if s["steps_to_target"] is not None]
             rows.append([f"`{task}`", K, "token-truncate" if K and correction == "auto" else "off",
                          fmt_mean_std(statistics.mean(accuracy), statistics.stdev(accuracy) if len(accuracy) > 1
                                       else None, 3),
+                         f"{statistics.mean(reached):.1f} ({len(reached)}/{len(per_seed)})" if reached
+                         else "not reached",
                          fmt(statistics.mean(s["seconds"] for s in per_seed), 1),
                          fmt(statistics.mean(s["staleness"] for s in per_seed), 2),
                          fmt(statistics.mean(s["logprob_gap"] for s in per_seed), 3),
                          fmt(statistics.mean(s["truncated_frac"] or 0 for s in per_seed), 3)])
-    table = markdown_table(["task", "K", "correction", "held-out accuracy", "train seconds", "staleness",
-                            "log-prob gap", "tokens truncated"], rows)
+    targets = ", ".join(f"{task} {TASKS[task][2]}" for task in args.tasks)
+    table = markdown_table(["task", "K", "correction", "held-out accuracy", f"steps to target ({targets}; seeds)",
+                            "train seconds", "staleness", "log-prob gap", "tokens truncated"], rows)
     return results, table
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=["throughput", "learning"], required=True)
     p.add_argument("--job", choices=sorted(JOBS), default="tiny", help="throughput's work a step")
     p.add_argument("--steps", type=int, default=8, help="throughput's steps a run (the first is left out)")
-    p.add_argument("--learn-steps", type=int, default=30, help="learning's steps a run")
+    p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4], help="learning's --max-staleness values")
     p.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=sorted(TASKS))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "async_overlap", help="the runs' folder")

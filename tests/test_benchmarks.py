@@ -493,3 +493,42 @@ def test_trl_does_the_work_of_grpo_py():
     assert runs[0]["first_round"] == 3.0 and runs[0]["round"] == 1.5 and runs[0]["completion_mean"] == 6.5
     assert vs_trl.table(runs).splitlines()[2:] == ["| grpo.py | 1 | 1.50 | 1.50 | 3.00 | 6.5 | 0.38x |",
                                                   "| TRL | 1 | 4.00 | 4.00 | 5.00 | 7.5 | 1.00x |"]
+
+
+def async_run(accuracy: list, staleness: float, gap: float, truncated: float) -> list[dict]:
+    """A grpo_async.py run's metrics: the starting evaluation, then one step a second, evaluated where
+    accuracy has a number."""
+    return [{"step": 0, "eval/accuracy": 0.2}] + [
+        {"step": s, "time/step": 1.0, "async/staleness_mean": staleness, "async/logprob_gap": gap,
+         "rollout/is_truncated_frac": truncated, **({} if a is None else {"eval/accuracy": a})}
+        for s, a in enumerate(accuracy, 1)]
+
+
+def test_async_learning_table_from_run_folders(tmp_path):
+    """benchmarks/async_overlap.py --part learning on synthetic runs: K = 0 has one row (nothing to
+    correct), K = 1 two; the end accuracy, the first evaluated step at the target (of the seeds that
+    reach it), the curve in samples and seconds, and the staleness columns, by hand."""
+    from argparse import Namespace
+
+    from benchmarks import async_overlap
+
+    runs = {("K0-auto", 0): async_run([None, 0.85], 0, 0.0, 0.0), ("K0-auto", 1): async_run([None, 0.9], 0, 0.0, 0.0),
+            ("K1-auto", 0): async_run([None, 0.5, None, 0.8], 1, 0.02, 0.01),
+            ("K1-auto", 1): async_run([None, 0.4, None, 0.6], 1, 0.04, 0.03),
+            ("K1-off", 0): async_run([None, 0.3, None, 0.5], 1, 0.05, 0.0),
+            ("K1-off", 1): async_run([None, 0.3, None, 0.7], 1, 0.07, 0.0)}
+    for (config, seed), metrics in runs.items():
+        write_run(tmp_path / f"learn-sort-{config}-seed{seed}", metrics)
+    results, table = async_overlap.learning(Namespace(tasks=["sort"], staleness=[0, 1], seeds=[0, 1], out=tmp_path))
+    assert list(results) == ["sort K=0 auto", "sort K=1 auto", "sort K=1 off"]
+    first = results["sort K=1 auto"][0]
+    assert first["curve"] == [[0, 0, 0.0, 0.2], [2, 512, 2.0, 0.5], [4, 1024, 4.0, 0.8]]
+    assert first["steps_to_target"] == 4 and results["sort K=1 auto"][1]["steps_to_target"] is None
+    assert first["seconds"] == 4.0 and first["logprob_gap"] == pytest.approx(0.02)
+    lines = table.strip().splitlines()
+    assert "steps to target (sort 0.8; seeds)" in lines[0]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines[2:]]
+    assert rows[0][:5] == ["`sort`", "0", "off", "0.875 ± 0.035", "2.0 (2/2)"]
+    assert rows[1][:5] == ["`sort`", "1", "token-truncate", "0.700 ± 0.141", "4.0 (1/2)"]
+    assert rows[2][2:5] == ["off", "0.600 ± 0.141", "not reached"]
+    assert rows[1][5:] == ["4.0", "1.00", "0.030", "0.020"] and rows[2][6:] == ["1.00", "0.060", "0.000"]

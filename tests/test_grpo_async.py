@@ -177,7 +177,8 @@ def test_a_sigterm_to_torchrun_saves_on_the_trainer_stops_the_rollout_rank_and_t
     output = finish(proc, log, 300)
     last = read_metrics(out)[-1]["step"]
     assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step_{last}"], output[-3000:]
-    assert output.count("SIGTERM: finishing this step") == 1, output[-3000:]  # the trainer's; the rollout rank ignores it
+    # the trainer's; the rollout rank ignores it
+    assert output.count("SIGTERM: finishing this step") == 1, output[-3000:]
     # the rollout rank stopped when told: torchrun did not have to kill it (30 s after the SIGTERM it forwarded)
     assert "forcefully exiting" not in output and "[rank1]" not in output, output[-3000:]
     resumed = launch(tmp_path, "resumed", "--resume", out / "checkpoints" / f"step_{last}", "--steps", last + 2)
