@@ -20,7 +20,8 @@ Learning: held-out accuracy at the end (and the curve against samples and second
 K = 0, 1, 2, 4, with the correction (auto: token-truncate min(pi_prox / pi_behav, 2)) and without it
 (--rollout-correction off: plain GRPO on stale samples), seeds 0-2, on `sort` (30 steps, evaluated every 2)
 and `sort:9-11` (100 steps, every 5: benchmarks/run.py's budgets); each run under torchrun with 1 rollout +
-1 trainer rank. K = 0 has no correction to switch off (auto is off in fp32).
+1 trainer rank. K = 0 has no correction to switch off (auto is off in fp32). Beside --json, a plot a task
+(JSON_sort.png, ...): accuracy and reward against step (256 samples each) and against training seconds.
 
 Each run is a subprocess with a fresh run folder under --out; a finished run (summary.json) is reused.
 """
@@ -33,6 +34,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
+from benchmarks import run as bench  # noqa: E402
 from benchmarks.util import (ROOT, environment, fmt, fmt_mean_std, markdown_table, provenance_md,  # noqa: E402
                              run_reused, write_json)
 
@@ -105,6 +107,7 @@ def learning(args) -> tuple[dict, str]:
     results, rows = {}, []
     for task in args.tasks:
         steps_per_run, eval_every, target, task_flags = TASKS[task]
+        curves = {}
         for K, correction in configs:
             per_seed = []
             for seed in args.seeds:
@@ -113,32 +116,29 @@ def learning(args) -> tuple[dict, str]:
                     "--task", task, *task_flags, "--steps", str(steps_per_run), "--eval-every", str(eval_every),
                     "--save-every", "0", "--max-staleness", str(K), "--rollout-correction", correction,
                     "--seed", str(seed)])
-                evals = [m for m in metrics if "eval/accuracy" in m]
                 steps = [m for m in metrics if "time/step" in m]
-                elapsed, curve = 0.0, []
-                for m in metrics:  # (step, samples, seconds, accuracy) at each evaluation
-                    elapsed += m.get("time/step", 0.0)
-                    if "eval/accuracy" in m:
-                        curve.append([m["step"], m["step"] * SAMPLES_PER_STEP, round(elapsed, 2), m["eval/accuracy"]])
-                reached = [step for step, _, _, accuracy in curve if accuracy >= target]
-                per_seed.append({"eval_accuracy": evals[-1]["eval/accuracy"], "curve": curve,
-                                 "steps_to_target": reached[0] if reached else None,
-                                 "seconds": sum(m["time/step"] for m in steps),
-                                 "staleness": mean(steps, "async/staleness_mean"),
+                per_seed.append({**bench.run_stats(metrics, target), "staleness": mean(steps, "async/staleness_mean"),
                                  "logprob_gap": mean(steps, "async/logprob_gap"),
-                                 "truncated_frac": mean(steps, "rollout/is_truncated_frac")})
-            results[f"{task} K={K} {correction}"] = per_seed
-            accuracy = [s["eval_accuracy"] for s in per_seed]
-            reached = [s["steps_to_target"] for s in per_seed if s["steps_to_target"] is not None]
+                                 "truncated_frac": mean(steps, "rollout/is_truncated_frac") or 0.0})
+            agg = {**bench.aggregate(per_seed),
+                   **{k: bench.mean_std(r[k] for r in per_seed) for k in ("staleness", "logprob_gap", "truncated_frac")}}
+            label = f"K = {K}, " + ("token-truncate" if K and correction == "auto" else "no correction")
+            curves[label] = agg["curves"]
+            results[f"{task} K={K} {correction}"] = {
+                "label": label, "aggregate": agg, "per_seed": [{k: v for k, v in r.items() if k != "curves"}
+                                                               for r in per_seed]}
+            reached = agg["steps_to_target"]
             rows.append([f"`{task}`", K, "token-truncate" if K and correction == "auto" else "off",
-                         fmt_mean_std(statistics.mean(accuracy), statistics.stdev(accuracy) if len(accuracy) > 1
-                                      else None, 3),
-                         f"{statistics.mean(reached):.1f} ({len(reached)}/{len(per_seed)})" if reached
+                         fmt_mean_std(agg["accuracy_end"]["mean"], agg["accuracy_end"]["std"], 3),
+                         f"{reached['mean']:.1f} ({reached['reached']}/{reached['seeds']})" if reached["reached"]
                          else "not reached",
-                         fmt(statistics.mean(s["seconds"] for s in per_seed), 1),
-                         fmt(statistics.mean(s["staleness"] for s in per_seed), 2),
-                         fmt(statistics.mean(s["logprob_gap"] for s in per_seed), 3),
-                         fmt(statistics.mean(s["truncated_frac"] or 0 for s in per_seed), 3)])
+                         fmt(agg["train_time_s"]["mean"], 1), fmt(agg["staleness"]["mean"], 2),
+                         fmt(agg["logprob_gap"]["mean"], 3), fmt(agg["truncated_frac"]["mean"], 3)])
+        if args.json:  # accuracy and reward against step (x SAMPLES_PER_STEP samples) and training seconds
+            plot = args.json.with_name(f"{args.json.stem}_{task.replace(':', '_')}.png")
+            bench.plot_curves(curves, plot, f"grpo_async.py on {task}, 1 rollout + 1 trainer rank "
+                              f"({SAMPLES_PER_STEP} samples a step; mean and min-max over seeds {args.seeds})", target)
+            results[f"{task} plot"] = str(plot.relative_to(ROOT) if plot.is_relative_to(ROOT) else plot)
     targets = ", ".join(f"{task} {TASKS[task][2]}" for task in args.tasks)
     table = markdown_table(["task", "K", "correction", "held-out accuracy", f"steps to target ({targets}; seeds)",
                             "train seconds", "staleness", "log-prob gap", "tokens truncated"], rows)

@@ -507,7 +507,8 @@ def async_run(accuracy: list, staleness: float, gap: float, truncated: float) ->
 def test_async_learning_table_from_run_folders(tmp_path):
     """benchmarks/async_overlap.py --part learning on synthetic runs: K = 0 has one row (nothing to
     correct), K = 1 two; the end accuracy, the first evaluated step at the target (of the seeds that
-    reach it), the curve in samples and seconds, and the staleness columns, by hand."""
+    reach it), the curves against step and seconds (mean, min-max over seeds), and the staleness
+    columns, by hand; and the plot."""
     from argparse import Namespace
 
     from benchmarks import async_overlap
@@ -519,12 +520,17 @@ def test_async_learning_table_from_run_folders(tmp_path):
             ("K1-off", 1): async_run([None, 0.3, None, 0.7], 1, 0.07, 0.0)}
     for (config, seed), metrics in runs.items():
         write_run(tmp_path / f"learn-sort-{config}-seed{seed}", metrics)
-    results, table = async_overlap.learning(Namespace(tasks=["sort"], staleness=[0, 1], seeds=[0, 1], out=tmp_path))
-    assert list(results) == ["sort K=0 auto", "sort K=1 auto", "sort K=1 off"]
-    first = results["sort K=1 auto"][0]
-    assert first["curve"] == [[0, 0, 0.0, 0.2], [2, 512, 2.0, 0.5], [4, 1024, 4.0, 0.8]]
-    assert first["steps_to_target"] == 4 and results["sort K=1 auto"][1]["steps_to_target"] is None
-    assert first["seconds"] == 4.0 and first["logprob_gap"] == pytest.approx(0.02)
+    args = Namespace(tasks=["sort"], staleness=[0, 1], seeds=[0, 1], out=tmp_path, json=tmp_path / "learning.json")
+    results, table = async_overlap.learning(args)
+    assert list(results) == ["sort K=0 auto", "sort K=1 auto", "sort K=1 off", "sort plot"]
+    first, second = results["sort K=1 auto"]["per_seed"]
+    assert first["steps_to_target"] == 4 and second["steps_to_target"] is None
+    assert first["train_time_s"] == 4.0 and first["logprob_gap"] == pytest.approx(0.02)
+    curves = results["sort K=1 auto"]["aggregate"]["curves"]
+    assert curves["accuracy_vs_step"]["x"] == [0, 2, 4] and curves["accuracy_vs_time"]["x"] == [0.0, 2.0, 4.0]
+    assert curves["accuracy_vs_step"]["mean"] == pytest.approx([0.2, 0.45, 0.7])
+    assert curves["accuracy_vs_step"]["min"] == pytest.approx([0.2, 0.4, 0.6])
+    assert png_size(tmp_path / "learning_sort.png") == (1000, 740)
     lines = table.strip().splitlines()
     assert "steps to target (sort 0.8; seeds)" in lines[0]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines[2:]]
