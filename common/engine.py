@@ -267,11 +267,11 @@ def eval_batches(items: list, batch_size: int) -> list[list]:
     """This rank's share of items, in batches of at most batch_size, as many on every rank (the ranks decode
     in step): the fewest even cuts of at most N * batch_size items, each cut shared evenly among the N ranks,
     in rank order. A rank's batch is empty only where the split has fewer items than there are ranks."""
-    cuts = _even_parts(items, max(1, -(-len(items) // (dist.world_size() * batch_size))))
-    return [_even_parts(cut, dist.world_size())[dist.rank()] for cut in cuts]
+    cuts = even_parts(items, max(1, -(-len(items) // (dist.world_size() * batch_size))))
+    return [even_parts(cut, dist.world_size())[dist.rank()] for cut in cuts]
 
 
-def _even_parts(items: list, k: int) -> list[list]:
+def even_parts(items: list, k: int) -> list[list]:
     """items cut into k contiguous parts whose sizes differ by one at most (the longer ones first)."""
     q, r = divmod(len(items), k)
     bounds = [i * q + min(i, r) for i in range(k + 1)]

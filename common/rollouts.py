@@ -28,7 +28,7 @@ import torch
 import torch.distributed as tdist
 
 from common import dist
-from common.engine import sync_weights
+from common.engine import even_parts, sync_weights
 from common.models import merged_weights
 
 
@@ -96,7 +96,7 @@ def broadcast_weight(t: torch.Tensor) -> None:
 class Remote:
     """The trainer ranks' side: the first trainer rank asks each rollout rank for its share of a batch
     (in rollout-rank order: the whole batch, as one process samples it) and hands the trainer ranks
-    theirs; it is also the engine of the evaluations (`generate`, on the first rollout rank)."""
+    theirs; it is also the engine of the evaluations (`generate`: the requests shared among the rollout ranks)."""
 
     sleeps, asleep, calls = False, frozenset(), None
     memory = {"device": 0, "allocated": 0}  # the engine's memory is on the rollout ranks
@@ -106,12 +106,11 @@ class Remote:
         self.closed = False
         atexit.register(self.close)  # however the trainer ends (done, Ctrl-C, SIGTERM, an error): they stop
 
-    def ask(self, command: tuple, ranks=None) -> list:
-        """command to the rollout ranks (all, or `ranks`) and their replies; a rollout rank's error is raised."""
-        ranks = dist.ROLLOUT_RANKS if ranks is None else ranks
-        for r in ranks:
+    def ask(self, commands: dict[int, tuple]) -> list:
+        """commands[r] to rollout rank r, and their replies (in that order); a rollout rank's error is raised."""
+        for r, command in commands.items():
             send(command, r)
-        replies = [recv(r) for r in ranks]
+        replies = [recv(r) for r in commands]
         for reply in replies:
             if isinstance(reply, BaseException):
                 self.closed = True  # that rank has stopped
@@ -121,7 +120,7 @@ class Remote:
     def batch(self, step: int) -> tuple:
         whole = None
         if dist.is_main():
-            shares = self.ask(("batch", step))
+            shares = self.ask({r: ("batch", step) for r in dist.ROLLOUT_RANKS})
             examples, prompt_ids, completions = ([x for share in shares for x in share[i]] for i in range(3))
             whole = (examples, prompt_ids, completions, shares[0][3], min(s[4] for s in shares),
                      max(s[5] for s in shares))
@@ -137,7 +136,14 @@ class Remote:
                 broadcast_weight(t.contiguous())
 
     def generate(self, requests: list, params, use_tqdm: bool = False) -> list:
-        return self.ask(("generate", requests, params, use_tqdm), dist.ROLLOUT_RANKS[:1])[0]
+        """Each rollout rank decodes a contiguous part of the requests (every rank takes part: the transformers
+        engine's ranks decode in step); the completions in the requests' order."""
+        ranks = dist.ROLLOUT_RANKS
+        parts = even_parts(list(range(len(requests))), len(ranks))
+        per_request = isinstance(params, (list, tuple))  # one SamplingParams a request, or one for all
+        replies = self.ask({r: ("generate", [requests[i] for i in part], [params[i] for i in part] if per_request
+                                else params, use_tqdm and r == ranks[0]) for r, part in zip(ranks, parts)})
+        return [completion for reply in replies for completion in reply]
 
     def close(self) -> None:
         if dist.is_main() and not self.closed:
@@ -149,8 +155,8 @@ class Remote:
 def serve(ahead: Ahead, model) -> None:
     """A rollout rank's loop, until the trainer says stop (its exit status says how the run ended): hand
     over a batch when asked and sample ahead; take weights into `model` and sync the engine from it;
-    generate for the evaluations. Ctrl-C and SIGTERM are left to the trainer ranks, which save and then say stop; an error
-    here is the reply to the trainer's next request (raised there)."""
+    generate for the evaluations. Ctrl-C and SIGTERM are left to the trainer ranks, which save and then say
+    stop; an error here is the reply to the trainer's next request (raised there)."""
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     error = None

@@ -132,17 +132,26 @@ def test_rollout_ranks_and_trainer_ranks_at_k0_are_grpo_in_one_process(tmp_path,
         assert all(torch.allclose(weights[0][k], weights[1][k], atol=1e-5) for k in weights[0]), trainers
 
 
+LORA = ["--lora-rank", 8, "--lr", 2e-3]
+
+
 @pytest.mark.slow
-def test_two_vllm_rollout_ranks_sample_the_weights_the_trainer_sent(tmp_path):
-    """One trainer rank, two rollout ranks with a vLLM engine each (each side a world of its own: vLLM's
+@pytest.mark.parametrize("engine, flags", [("vllm", []), ("transformers", []), ("vllm", LORA)],
+                         ids=["vllm", "transformers", "lora"])
+def test_two_rollout_ranks_sample_the_weights_the_trainer_sent(engine, flags, tmp_path):
+    """One trainer rank, two rollout ranks with an engine each (each side a world of its own: vLLM's
     groups span the rollout ranks only). At K = 0 every batch is sampled by the weights of the step before,
     broadcast to both engines: their log-probs equal the trainer's to fp32 rounding at every step, which
-    weights left unsynced (or half synced) after step 1 would not give."""
-    metrics = launch(tmp_path, "vllm", "--engine", "vllm", "--steps", 4, "--eval-every", 0, "--save-every", 0,
-                     *SMALL, "--rollout-ranks", 2, "--max-staleness", 0, processes=3)[1:]
+    weights left unsynced (or half synced) after step 1 would not give. Under LoRA the trainer sends the
+    merged weights (the adapters moved the policy: kl/ref, far above the mismatch, is the gap the base
+    weights would leave)."""
+    metrics = launch(tmp_path, engine, "--engine", engine, "--steps", 4, "--eval-every", 0, "--save-every", 0,
+                     *SMALL, *flags, "--rollout-ranks", 2, "--max-staleness", 0, processes=3)[1:]
     assert len(metrics) == 4 and all(m["async/staleness_mean"] == 0 for m in metrics)
     assert all(m["rollout/logprob_mismatch"] < 1e-4 for m in metrics), [m["rollout/logprob_mismatch"] for m in metrics]
     assert len({m["reward/mean"] for m in metrics}) > 1  # the batches differ: the weights moved
+    if flags:
+        assert metrics[-1]["kl/ref"] > 1e-3, metrics[-1]["kl/ref"]
 
 
 def test_a_resumed_run_draws_the_prompts_the_uninterrupted_run_drew(tmp_path, run_main):
