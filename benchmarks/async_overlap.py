@@ -21,7 +21,8 @@ K = 0, 1, 2, 4, with the correction (auto: token-truncate min(pi_prox / pi_behav
 (--rollout-correction off: plain GRPO on stale samples), seeds 0-2, on `sort` (30 steps, evaluated every 2)
 and `sort:9-11` (100 steps, every 5: benchmarks/run.py's budgets); each run under torchrun with 1 rollout +
 1 trainer rank. K = 0 has no correction to switch off (auto is off in fp32). Beside --json, a plot a task
-(JSON_sort.png, ...): accuracy and reward against step (256 samples each) and against training seconds.
+(JSON_sort.png, ...; for one --tasks, JSON.png): accuracy and reward against step (256 samples each) and
+against training seconds.
 
 Each run is a subprocess with a fresh run folder under --out; a finished run (summary.json) is reused.
 """
@@ -120,9 +121,9 @@ def learning(args) -> tuple[dict, str]:
                 per_seed.append({**bench.run_stats(metrics, target), "staleness": mean(steps, "async/staleness_mean"),
                                  "logprob_gap": mean(steps, "async/logprob_gap"),
                                  "truncated_frac": mean(steps, "rollout/is_truncated_frac") or 0.0})
-            agg = {**bench.aggregate(per_seed),
-                   **{k: bench.mean_std(r[k] for r in per_seed) for k in ("staleness", "logprob_gap", "truncated_frac")}}
-            label = f"K = {K}, " + ("token-truncate" if K and correction == "auto" else "no correction")
+            agg = {**bench.aggregate(per_seed), **{k: bench.mean_std(r[k] for r in per_seed)
+                                                   for k in ("staleness", "logprob_gap", "truncated_frac")}}
+            label = f"K={K}" + ("" if K == 0 else " truncate" if correction == "auto" else " off")
             curves[label] = agg["curves"]
             results[f"{task} K={K} {correction}"] = {
                 "label": label, "aggregate": agg, "per_seed": [{k: v for k, v in r.items() if k != "curves"}
@@ -135,7 +136,8 @@ def learning(args) -> tuple[dict, str]:
                          fmt(agg["train_time_s"]["mean"], 1), fmt(agg["staleness"]["mean"], 2),
                          fmt(agg["logprob_gap"]["mean"], 3), fmt(agg["truncated_frac"]["mean"], 3)])
         if args.json:  # accuracy and reward against step (x SAMPLES_PER_STEP samples) and training seconds
-            plot = args.json.with_name(f"{args.json.stem}_{task.replace(':', '_')}.png")
+            plot = args.json.with_suffix(".png") if len(args.tasks) == 1 else \
+                args.json.with_name(f"{args.json.stem}_{task.replace(':', '_')}.png")
             bench.plot_curves(curves, plot, f"grpo_async.py on {task}, 1 rollout + 1 trainer rank "
                               f"({SAMPLES_PER_STEP} samples a step; mean and min-max over seeds {args.seeds})", target)
             results[f"{task} plot"] = str(plot.relative_to(ROOT) if plot.is_relative_to(ROOT) else plot)

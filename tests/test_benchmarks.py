@@ -530,7 +530,7 @@ def test_async_learning_table_from_run_folders(tmp_path):
     assert curves["accuracy_vs_step"]["x"] == [0, 2, 4] and curves["accuracy_vs_time"]["x"] == [0.0, 2.0, 4.0]
     assert curves["accuracy_vs_step"]["mean"] == pytest.approx([0.2, 0.45, 0.7])
     assert curves["accuracy_vs_step"]["min"] == pytest.approx([0.2, 0.4, 0.6])
-    assert png_size(tmp_path / "learning_sort.png") == (1000, 740)
+    assert png_size(tmp_path / "learning.png") == (1000, 740)
     lines = table.strip().splitlines()
     assert "steps to target (sort 0.8; seeds)" in lines[0]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines[2:]]
