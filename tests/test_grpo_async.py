@@ -83,6 +83,31 @@ def test_a_stale_step_neither_counts_nor_resets_the_sync_guard():
     assert guard.check(1.0).startswith("the engine is not sampling from the policy")
 
 
+@pytest.mark.parametrize("per_request", [True, False])
+def test_an_evaluation_split_among_rollout_ranks_comes_back_in_the_requests_order(per_request, monkeypatch):
+    """7 requests, 3 rollout ranks: ranks 1, 2, 3 decode requests 0-2, 3-4, 5-6 (each with its own
+    SamplingParams where there is one a request) and the replies are joined in that order."""
+    from common import dist
+    from common.rollouts import Remote
+
+    monkeypatch.setattr(dist, "ROLLOUT_RANKS", [1, 2, 3])
+    asked = {}
+
+    def ask(self, commands):  # a rollout rank's reply: each request's completion, tagged with its params
+        asked.update(commands)
+        return [[f"{q}|{p}" for q, p in zip(c[1], c[2] if per_request else [c[2]] * len(c[1]))]
+                for c in commands.values()]
+
+    monkeypatch.setattr(Remote, "ask", ask)
+    monkeypatch.setattr(Remote, "close", lambda self: None)
+    requests = [f"q{i}" for i in range(7)]
+    params = [f"p{i}" for i in range(7)] if per_request else "greedy"
+    completions = Remote("vllm").generate(requests, params, use_tqdm=True)
+    assert [command[1] for command in asked.values()] == [["q0", "q1", "q2"], ["q3", "q4"], ["q5", "q6"]]
+    assert [command[3] for command in asked.values()] == [True, False, False]  # one progress bar
+    assert completions == [f"q{i}|{f'p{i}' if per_request else 'greedy'}" for i in range(7)]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--max-staleness", "-1"], "--max-staleness must be >= 0, got -1"),
     (["--max-staleness", "1", "--sync-every", "3"], "--sync-every must be in [1, --max-staleness + 1 = 2]"),
