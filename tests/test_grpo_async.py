@@ -103,6 +103,7 @@ def test_an_evaluation_split_among_rollout_ranks_comes_back_in_the_requests_orde
     requests = [f"q{i}" for i in range(7)]
     params = [f"p{i}" for i in range(7)] if per_request else "greedy"
     completions = Remote("vllm").generate(requests, params, use_tqdm=True)
+    assert list(asked) == [1, 2, 3]
     assert [command[1] for command in asked.values()] == [["q0", "q1", "q2"], ["q3", "q4"], ["q5", "q6"]]
     assert [command[3] for command in asked.values()] == [True, False, False]  # one progress bar
     assert completions == [f"q{i}|{f'p{i}' if per_request else 'greedy'}" for i in range(7)]
